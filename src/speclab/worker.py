@@ -1,0 +1,122 @@
+"""Worker process for one sweep point: `python -m speclab.worker SPEC.json`.
+
+Loads the engine, warms it up, generates stepwise, and writes the point's records and
+metadata (sweep.write_point). Runs in its own process so GPU memory, crashes and hangs stay
+contained; the parent (sweep.run_point) sets the environment before Python starts."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from speclab import engine, metrics, prompts
+from speclab.profiles import Profile, prompt_file, resolve_model
+from speclab.sweep import Point, write_point
+
+
+def records_frame(profile: Profile, point: Point, plist, prompt_ids, traces) -> pd.DataFrame:
+    """One row per request: outputs, per-step token counts and times, per-request counters,
+    and (plain runs) the top-1/top-2 logprob margin at each position."""
+    rows = []
+    for p, ids, tr in zip(plist, prompt_ids, traces):
+        c = metrics.request_counters(tr["step_tokens"], point.k)
+        out = tr.get("output_token_ids", [])
+        times = tr["step_times"]
+        lps = tr.get("logprobs") or []
+        rows.append({
+            "point_id": point.id, "k": point.k, "kv_cache_dtype": point.kv_cache_dtype,
+            "draft_kv_cache_dtype": point.draft_kv_cache_dtype, "layout": point.layout.label,
+            "prompt_format": point.prompt_format, "repeat": point.repeat,
+            "concurrency": point.concurrency or len(plist),
+            "prompt_id": p.id, "category": p.category, "prompt_len": len(ids),
+            "output_token_ids": out, "n_output": len(out), "finish_reason": tr.get("finish_reason"),
+            "step_tokens": tr["step_tokens"], "step_times": times,
+            "latency_s": tr.get("latency_s"), "ttft_s": times[0] if times else None,
+            "tpot_s": (times[-1] - times[0]) / (len(out) - 1) if len(out) > 1 else None,
+            "drafts": c.num_drafts, "draft_tokens": c.num_draft_tokens,
+            "accepted": c.num_accepted_tokens, "accepted_per_pos": list(c.accepted_per_pos),
+            "margin": [e[0][1] - e[1][1] if len(e) > 1 else np.inf for e in lps],
+            "runner_up": [e[1][0] if len(e) > 1 else -1 for e in lps],
+        })
+    return pd.DataFrame(rows)
+
+
+def main(spec_path: str) -> int:
+    started = time.time()
+    spec = json.loads(Path(spec_path).read_text())
+    profile = Profile.model_validate(spec["profile"])
+    point = Point.model_validate(spec["point"])
+    run_dir = Path(spec["run_dir"])
+    t: dict[str, float] = {}
+    meta = {"point_id": point.id, "status": "error", "point": point.model_dump(mode="json"),
+            "profile": profile.name, "started_at": started, "command": " ".join(sys.argv)}
+    try:
+        h0 = time.perf_counter()
+        plist = prompts.load(prompt_file(profile), limit=profile.prompts.limit,
+                             categories=profile.prompts.categories, seed=profile.prompts.seed)
+        target = resolve_model(profile.target)
+        draft = resolve_model(profile.draft) if point.k > 0 else None
+        t["harness_s"] = time.perf_counter() - h0
+        i0 = time.perf_counter()
+        import vllm
+        from vllm import SamplingParams
+
+        t["import_s"] = time.perf_counter() - i0
+        native = engine.native_draft_kv_dtype() if point.k > 0 else True
+        args, env = engine.engine_args(profile, point, target, draft, native)
+        meta.update(engine_args=args, env=env, vllm_version=vllm.__version__)
+        e0 = time.perf_counter()
+        with engine.open_llm(args) as llm:
+            t["engine_init_s"] = time.perf_counter() - e0
+            h1 = time.perf_counter()
+            tok = None if profile.skip_tokenizer_init else llm.get_tokenizer()
+            prompt_ids = prompts.to_token_ids(plist, tok, point.prompt_format)
+            sp = SamplingParams(temperature=profile.temperature, max_tokens=profile.max_tokens,
+                                ignore_eos=profile.ignore_eos, logprobs=point.logprobs or None,
+                                seed=profile.seed, detokenize=not profile.skip_tokenizer_init)
+            t["harness_s"] += time.perf_counter() - h1
+            if profile.warmup:
+                w0 = time.perf_counter()
+                llm.generate([{"prompt_token_ids": prompt_ids[0]}],
+                             SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)
+                t["warmup_s"] = time.perf_counter() - w0
+            h2 = time.perf_counter()
+            before = metrics.from_snapshot(llm.get_metrics())
+            t["harness_s"] += time.perf_counter() - h2
+            g0 = time.perf_counter()
+            traces = engine.generate_stepwise(llm, prompt_ids, sp, point.concurrency)
+            t["generate_s"] = time.perf_counter() - g0
+            h3 = time.perf_counter()
+            delta = metrics.from_snapshot(llm.get_metrics()) - before
+        records = records_frame(profile, point, plist, prompt_ids, traces)
+        from_steps = sum((metrics.SpecCounters(d, dt, a, tuple(app)) for d, dt, a, app in zip(
+            records.drafts, records.draft_tokens, records.accepted, records.accepted_per_pos)),
+            metrics.SpecCounters())
+        n_out = int(records.n_output.sum())
+        meta.update(
+            status="ok", counters=delta.to_dict(), counters_from_steps=from_steps.to_dict(),
+            attribution_exact=(from_steps.num_drafts == delta.num_drafts
+                               and from_steps.accepted_per_pos == delta.accepted_per_pos),
+            n_requests=len(records), output_tokens=n_out,
+            throughput_tok_s=n_out / t["generate_s"], versions=engine.versions(),
+        )
+        t["harness_s"] += time.perf_counter() - h3
+        meta.update(timings=t, finished_at=time.time(), wall_s=time.time() - started)
+        write_point(run_dir, point.id, records, meta)
+        return 0
+    except Exception as e:  # recorded, the sweep goes on
+        meta.update(error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc(),
+                    timings=t, wall_s=time.time() - started)
+        write_point(run_dir, point.id, None, meta)
+        traceback.print_exc()
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))

@@ -64,6 +64,17 @@ class Grid(BaseModel):
         return sorted(set(v))
 
 
+class Parity(BaseModel):
+    """Parity experiment defaults (notebook 03_parity; see speclab.parity.plan)."""
+
+    model_config = ConfigDict(extra="forbid")
+    arms: list[Literal["spec", "repeat", "draft-kv", "target-kv", "tp2-ep", "batch1",
+                       "batch-invariant"]] = ["spec", "repeat"]
+    k_values: list[int] = [1, 2, 3, 4]
+    spec_k: int = Field(3, ge=1)
+    near_tie: float = Field(0.05, gt=0)
+
+
 class Profile(BaseModel):
     model_config = ConfigDict(extra="forbid")
     name: str
@@ -84,6 +95,8 @@ class Profile(BaseModel):
     repeats: int = Field(1, ge=1)
     draft_cost: float = Field(0.1, ge=0.0)
     grid: Grid = Grid()
+    parity: Parity = Parity()
+    compare_formats: list[Literal["raw", "chat"]] = []
     engine: dict[str, Any] = {}
     env: dict[str, str] = {}
     overlay: Literal["auto", "required", "off"] = "auto"
@@ -94,6 +107,8 @@ class Profile(BaseModel):
     def _consistent(self) -> "Profile":
         if any(k > 0 for k in self.grid.num_speculative_tokens) and not self.draft:
             raise ValueError("grid has k > 0 but no draft model is set")
+        if any(lay.dp > 1 for lay in self.grid.layout):
+            raise ValueError("grid.layout: dp > 1 needs server mode (offline runs take tp and ep)")
         for key in ("model", "speculative_config", "tensor_parallel_size", "kv_cache_dtype",
                     "data_parallel_size", "enable_expert_parallel"):
             if key in self.engine:

@@ -108,6 +108,32 @@ def write_point(run_dir: Path, point_id: str, records: pd.DataFrame | None, meta
     atomic_write(meta_path, json.dumps(meta, indent=1, default=str))
 
 
+def load_profile(run_dir: Path) -> Profile:
+    """The profile a run was made with (saved by `run`)."""
+    return Profile.model_validate_json((Path(run_dir) / "profile.json").read_text())
+
+
+def profile_for(run_dir: Path, profile: str, overrides: dict | None, execute: bool) -> Profile:
+    """The profile a notebook works with: the named one (with overrides) when it executes,
+    the run's own saved profile when it only re-renders committed results."""
+    from speclab import profiles
+
+    if not execute and (Path(run_dir) / "profile.json").exists():
+        return load_profile(run_dir)
+    return profiles.load(profile, overrides)
+
+
+def results_for(run_dir: Path, points: Iterable[Point]) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """`load_results` restricted to the given points."""
+    ids = {p.id for p in points}
+    pts, recs = load_results(run_dir)
+    if len(pts):
+        pts = pts[pts.point_id.isin(ids)]
+    if len(recs):
+        recs = recs[recs.point_id.isin(ids)]
+    return pts, recs
+
+
 def load_results(run_dir: Path) -> tuple[pd.DataFrame, pd.DataFrame]:
     """(points, records) of a run: one row per point (metadata flattened) and one per request."""
     metas, recs = [], []

@@ -1,0 +1,76 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 02 · Per-position acceptance
+# For each speculative point of the sweep: the **unconditional** per-position rate vLLM prints
+# (A_i / D: all of positions 0..i accepted; sums to AL − 1) and the **conditional** rate the
+# EAGLE papers plot (A_i / A_(i−1)), with 95% bootstrap CIs over prompts; the distribution of
+# tokens emitted per verify step; and acceptance by prompt category for each prompt format.
+
+# %% tags=["parameters"]
+profile = "tiny-cpu"
+run_dir = "../data/runs/tiny-cpu"
+figures_dir = "../figures/tiny-cpu"
+overrides = {}
+execute = True
+# prompt formats compared at k = parity.spec_k (None: the profile's compare_formats)
+formats = None
+
+# %%
+from IPython.display import display
+
+from speclab import analysis, plots, sweep
+from speclab.report import record
+
+prof = sweep.profile_for(run_dir, profile, overrides, execute)
+grid_points = [p for p in sweep.expand(prof) if p.k > 0]
+base = grid_points[0] if grid_points else None
+fmt_points = [base.model_copy(update={"k": prof.parity.spec_k, "prompt_format": f})
+              for f in (formats if formats is not None else prof.compare_formats)] if base else []
+if execute:
+    sweep.run(prof, run_dir, fmt_points)
+_, recs = sweep.results_for(run_dir, grid_points + fmt_points)
+
+# %%
+acc = analysis.acceptance(recs[recs.point_id.isin([p.id for p in grid_points])])
+fig = plots.per_position(analysis.per_position_long(acc), title=f"{prof.name}: per-position acceptance")
+plots.save(fig, figures_dir, "per_position")
+display(acc[["point_id", "k", "mean_acceptance_length", "al_lo", "al_hi", "per_position",
+             "conditional"]].round(3))
+
+# %%
+hist = analysis.histogram(recs[recs.point_id.isin(acc.point_id)])
+fig = plots.acceptance_histogram(hist, title=f"{prof.name}: tokens per verify step")
+plots.save(fig, figures_dir, "acceptance_histogram")
+
+# %%
+cat = analysis.acceptance(recs[recs.point_id.isin([p.id for p in fmt_points])], by=["category"])
+if len(cat):
+    fig = plots.by_category(cat, title=f"{prof.name}: AL by category, k={prof.parity.spec_k}")
+    plots.save(fig, figures_dir, "by_category")
+    display(cat[["prompt_format", "category", "n_requests", "mean_acceptance_length", "al_lo",
+                 "al_hi"]].round(3))
+
+# %%
+record(
+    per_position={r.point_id: {"k": int(r.k), "unconditional": r.per_position,
+                               "u_lo": r.pp_lo, "u_hi": r.pp_hi, "conditional": r.conditional,
+                               "al": r.mean_acceptance_length} for r in acc.itertuples()},
+    histogram={pid: list(g.steps) for pid, g in hist.groupby("point_id")} if len(hist) else {},
+    by_category=[{"prompt_format": r.prompt_format, "category": r.category,
+                  "al": r.mean_acceptance_length, "al_lo": r.al_lo, "al_hi": r.al_hi}
+                 for r in cat.itertuples()] if len(cat) else [],
+)

@@ -1,0 +1,5 @@
+import sys
+
+from speclab.cli import main
+
+sys.exit(main())

@@ -1,0 +1,90 @@
+"""Tables from a run's results: acceptance and speed per point, per position, per category."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from speclab import metrics
+
+KEYS = ["kv_cache_dtype", "layout", "prompt_format"]
+
+
+def _counts(group: pd.DataFrame, k: int) -> tuple[np.ndarray, np.ndarray]:
+    app = np.array([list(x)[:k] + [0] * (k - len(x)) for x in group.accepted_per_pos], dtype=float)
+    return group.drafts.to_numpy(dtype=float), app.reshape(len(group), k)
+
+
+def acceptance(records: pd.DataFrame, by: list[str] | None = None, *, n_boot: int = 1000,
+               seed: int = 0) -> pd.DataFrame:
+    """Acceptance per point (or per `by` groups within points) from per-request counters,
+    with percentile-bootstrap 95% CIs over requests. Plain (k=0) rows are skipped."""
+    spec = records[records.k > 0]
+    rows = []
+    for key, g in spec.groupby(["point_id", *(by or [])], sort=False):
+        k = int(g.k.iloc[0])
+        drafts, app = _counts(g, k)
+        c = metrics.SpecCounters(int(drafts.sum()), int(k * drafts.sum()), int(app.sum()),
+                                 tuple(int(x) for x in app.sum(axis=0)))
+        ci = metrics.bootstrap_ci(drafts, app, n_boot=n_boot, seed=seed)
+        row = dict(zip(["point_id", *(by or [])], key if isinstance(key, tuple) else (key,)))
+        row.update({c_: g[c_].iloc[0] for c_ in ["k", "draft_kv_cache_dtype", "repeat", *KEYS]})
+        row.update(
+            n_requests=len(g), num_drafts=c.num_drafts, acceptance_rate=c.acceptance_rate,
+            mean_acceptance_length=c.mean_acceptance_length,
+            al_lo=ci["mean_acceptance_length"][0], al_hi=ci["mean_acceptance_length"][1],
+            per_position=c.per_position, pp_lo=list(ci["per_position"][0]),
+            pp_hi=list(ci["per_position"][1]), conditional=c.conditional,
+            cond_lo=list(ci["conditional"][0]), cond_hi=list(ci["conditional"][1]),
+        )
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def speed(points: pd.DataFrame) -> pd.DataFrame:
+    """Throughput per ok point and speedup over the plain (k=0) point of the same KV dtype,
+    layout, prompt format and repeat."""
+    ok = points[points.status == "ok"].copy()
+    if ok.empty:
+        return ok
+    for col in KEYS + ["k", "repeat", "draft_kv_cache_dtype"]:
+        ok[col] = ok[f"point.{col}"] if f"point.{col}" in ok else None
+    ok["layout"] = ok.apply(_layout_label, axis=1)
+    ok["mean_acceptance_length"] = ok.get("counters.mean_acceptance_length", np.nan)
+    base = ok[ok.k == 0].set_index(KEYS + ["repeat"]).throughput_tok_s
+    ok["baseline_tok_s"] = [base.get(tuple(r[KEYS + ["repeat"]]), np.nan) for _, r in ok.iterrows()]
+    ok["speedup"] = ok.throughput_tok_s / ok.baseline_tok_s
+    cols = ["point_id", "k", "draft_kv_cache_dtype", "repeat", *KEYS, "throughput_tok_s",
+            "baseline_tok_s", "speedup", "mean_acceptance_length", "timings.engine_init_s",
+            "timings.generate_s", "timings.harness_s", "wall_s"]
+    return ok[[c for c in cols if c in ok]].sort_values(["layout", "kv_cache_dtype", "k"])
+
+
+def _layout_label(row) -> str:
+    tp, dp, ep = row.get("point.layout.tp", 1), row.get("point.layout.dp", 1), row.get(
+        "point.layout.ep", False)
+    return f"tp{tp}" + (f"dp{dp}" if dp and dp > 1 else "") + ("-ep" if ep else "")
+
+
+def per_position_long(acc: pd.DataFrame) -> pd.DataFrame:
+    """One row per (point, position): unconditional and conditional rates with CIs."""
+    rows = []
+    for _, r in acc.iterrows():
+        for i in range(int(r.k)):
+            rows.append({**{c: r[c] for c in acc.columns if not isinstance(r[c], list)},
+                         "position": i, "unconditional": r.per_position[i], "u_lo": r.pp_lo[i],
+                         "u_hi": r.pp_hi[i], "conditional": r.conditional[i],
+                         "c_lo": r.cond_lo[i], "c_hi": r.cond_hi[i]})
+    return pd.DataFrame(rows)
+
+
+def histogram(records: pd.DataFrame) -> pd.DataFrame:
+    """Acceptance-length histogram (tokens per verify step, bonus included) per spec point."""
+    rows = []
+    for pid, g in records[records.k > 0].groupby("point_id", sort=False):
+        k = int(g.k.iloc[0])
+        counts = metrics.acceptance_length_histogram(g.step_tokens, k)
+        for length, n in enumerate(counts, start=1):
+            rows.append({"point_id": pid, "k": k, "length": length, "steps": int(n),
+                         "fraction": n / counts.sum() if counts.sum() else np.nan})
+    return pd.DataFrame(rows)

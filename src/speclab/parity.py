@@ -1,0 +1,210 @@
+"""Greedy-output parity: does speculative (or otherwise perturbed) decoding emit the same tokens
+as a reference plain run, and where it does not, is the divergence a near-tie of the target's
+own logits (numerics) or a substantive difference (a bug until explained)?
+
+An experiment arm is a pair of points (reference, candidate) run on the same prompts; the
+reference is a plain greedy run with top-2 logprobs, so its top-1/top-2 margin at the first
+divergence position is known (the prefixes agree up to there, so the target saw the same
+context in both runs).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import pandas as pd
+
+from speclab.profiles import Layout, Profile
+from speclab.sweep import Point
+
+
+def first_divergence(ref: Sequence[int], cand: Sequence[int]) -> int | None:
+    """Index of the first differing token (a length difference counts at the shorter end);
+    None when the sequences are identical."""
+    n = min(len(ref), len(cand))
+    diff = np.flatnonzero(np.asarray(ref[:n]) != np.asarray(cand[:n]))
+    if diff.size:
+        return int(diff[0])
+    return None if len(ref) == len(cand) else n
+
+
+def compare(ref: pd.DataFrame, cand: pd.DataFrame, *, near_tie: float = 0.05) -> pd.DataFrame:
+    """Per prompt: exact match, first divergence, prefix agreement, and at the divergence the
+    reference's top-1/top-2 logprob margin and whether the candidate took the runner-up.
+
+    kind: "match", "near-tie" (margin < near_tie) or "substantive"."""
+    c = cand.set_index("prompt_id")
+    rows = []
+    for _, r in ref.iterrows():
+        if r.prompt_id not in c.index:
+            continue
+        o = c.loc[r.prompt_id]
+        ref_ids, cand_ids = list(r.output_token_ids), list(o.output_token_ids)
+        j = first_divergence(ref_ids, cand_ids)
+        margins = list(r.margin) if r.margin is not None else []
+        margin = margins[j] if j is not None and j < len(margins) else math.nan
+        runner_up = list(r.runner_up)[j] if j is not None and j < len(margins) else -1
+        took = j is not None and j < len(cand_ids) and cand_ids[j] == runner_up
+        if j is None:
+            kind = "match"
+        elif not math.isnan(margin) and margin < near_tie:
+            kind = "near-tie"
+        else:
+            kind = "substantive"
+        rows.append({
+            "prompt_id": r.prompt_id, "category": r.category, "n_tokens": len(ref_ids),
+            "exact": j is None, "first_divergence": j,
+            "prefix_agreement": 1.0 if j is None else j / max(len(ref_ids), 1),
+            "margin": margin, "took_runner_up": took, "kind": kind,
+        })
+    return pd.DataFrame(rows)
+
+
+def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """Wilson score interval for a proportion k/n."""
+    if n == 0:
+        return (math.nan, math.nan)
+    p = k / n
+    d = 1 + z * z / n
+    mid = (p + z * z / (2 * n)) / d
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / d
+    return (max(0.0, mid - half), min(1.0, mid + half))
+
+
+def summarize(cmp: pd.DataFrame) -> dict:
+    """Match rate with a Wilson 95% CI, divergence counts by kind, positions and margins."""
+    n, exact = len(cmp), int(cmp.exact.sum()) if len(cmp) else 0
+    div = cmp[~cmp.exact] if n else cmp
+    lo, hi = wilson(exact, n)
+    return {
+        "n": n, "exact": exact, "match_rate": exact / n if n else math.nan,
+        "match_lo": lo, "match_hi": hi,
+        "near_tie": int((div.kind == "near-tie").sum()) if n else 0,
+        "substantive": int((div.kind == "substantive").sum()) if n else 0,
+        "took_runner_up": int(div.took_runner_up.sum()) if n else 0,
+        "first_divergence": [int(x) for x in div.first_divergence] if n else [],
+        "margins": [float(x) for x in div.margin] if n else [],
+    }
+
+
+# --------------------------------------------------------------------- experiment arms
+@dataclass(frozen=True)
+class Arm:
+    name: str
+    ref: Point
+    cand: Point
+    question: str
+
+
+def plan(profile: Profile, arms: Sequence[str], *, k_values: Sequence[int] = (1, 2, 3, 4),
+         spec_k: int = 3) -> list[Arm]:
+    """Experiment arms as (reference, candidate) point pairs.
+
+    arms: any of "spec" (plain vs k in k_values), "repeat" (plain twice), "draft-kv" (spec_k
+    with each draft KV dtype of the grid), "target-kv" (each other target KV dtype: plain vs
+    plain, and spec vs plain under it), "tp2-ep" (TP=2 + expert parallel: plain vs TP=1 plain,
+    and spec vs plain at TP=2), "batch1" (one request at a time: plain vs plain, spec vs
+    plain), "batch-invariant" (VLLM_BATCH_INVARIANT=1: spec vs plain)."""
+    g = profile.grid
+    dkv = g.draft_kv_cache_dtype[0]
+    plain = Point(k=0, kv_cache_dtype=g.kv_cache_dtype[0], layout=g.layout[0],
+                  prompt_format=g.prompt_format[0])
+
+    def spec(p: Point, k: int = spec_k, d: str = dkv) -> Point:
+        return p.model_copy(update={"k": k, "draft_kv_cache_dtype": d})
+
+    out: list[Arm] = []
+    for a in arms:
+        if a == "spec":
+            out += [Arm(f"spec-k{k}", plain, spec(plain, k), "speculation vs plain")
+                    for k in k_values]
+        elif a == "repeat":
+            out.append(Arm("repeat", plain, plain.model_copy(update={"repeat": 1}),
+                           "same plain configuration run twice"))
+        elif a == "draft-kv":
+            out += [Arm(f"draft-kv-{d}", plain, spec(plain, d=d), f"draft KV {d}")
+                    for d in g.draft_kv_cache_dtype]
+        elif a == "target-kv":
+            for kv in g.kv_cache_dtype[1:]:
+                p = plain.model_copy(update={"kv_cache_dtype": kv})
+                out += [Arm(f"target-kv-{kv}-plain", plain, p, f"plain under target KV {kv}"),
+                        Arm(f"target-kv-{kv}-spec", p, spec(p), f"speculation under target KV {kv}")]
+        elif a == "tp2-ep":
+            p = plain.model_copy(update={"layout": Layout(tp=2, ep=True)})
+            out += [Arm("tp2-ep-plain", plain, p, "TP=2 + EP plain vs TP=1 plain"),
+                    Arm("tp2-ep-spec", p, spec(p), "speculation under TP=2 + EP")]
+        elif a == "batch1":
+            p = plain.model_copy(update={"concurrency": 1})
+            out += [Arm("batch1-plain", plain, p, "one request at a time vs all at once"),
+                    Arm("batch1-spec", p, spec(p), "speculation, one request at a time")]
+        elif a == "batch-invariant":
+            p = plain.model_copy(update={"env": {"VLLM_BATCH_INVARIANT": "1"}})
+            out += [Arm("batch-invariant-spec", p, spec(p),
+                        "speculation vs plain with VLLM_BATCH_INVARIANT=1")]
+        else:
+            raise ValueError(f"unknown parity arm {a!r}")
+    return out
+
+
+def versus_plain(points: Sequence[Point]) -> list[Arm]:
+    """Each speculative point against the plain point of the same configuration."""
+    ids = {p.id for p in points}
+    out = []
+    for p in points:
+        base = p.model_copy(update={"k": 0, "draft_kv_cache_dtype": None})
+        if p.k > 0 and base.id in ids:
+            out.append(Arm(p.id, base, p, f"k={p.k} vs plain"))
+    return out
+
+
+def points_of(arms: Sequence[Arm]) -> list[Point]:
+    """The distinct points the arms need (shared references run once)."""
+    seen: dict[str, Point] = {}
+    for arm in arms:
+        seen.setdefault(arm.ref.id, arm.ref)
+        seen.setdefault(arm.cand.id, arm.cand)
+    return list(seen.values())
+
+
+def evaluate(arms: Sequence[Arm], records: pd.DataFrame, points: pd.DataFrame, *,
+             near_tie: float = 0.05) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """(per-arm summary, per-prompt comparisons) for the arms whose both points ran."""
+    status = dict(zip(points.point_id, points.status)) if len(points) else {}
+    summ, rows = [], []
+    for arm in arms:
+        st = (status.get(arm.ref.id), status.get(arm.cand.id))
+        if st != ("ok", "ok"):
+            summ.append({"arm": arm.name, "question": arm.question, "status": f"not run: {st}"})
+            continue
+        cmp = compare(records[records.point_id == arm.ref.id],
+                      records[records.point_id == arm.cand.id], near_tie=near_tie)
+        cmp.insert(0, "arm", arm.name)
+        rows.append(cmp)
+        summ.append({"arm": arm.name, "question": arm.question, "status": "ok",
+                     "ref": arm.ref.id, "cand": arm.cand.id, **summarize(cmp)})
+    return pd.DataFrame(summ), (pd.concat(rows, ignore_index=True) if rows else pd.DataFrame())
+
+
+def findings(summary: pd.DataFrame, near_tie: float) -> list[str]:
+    """Plain-language findings, one line per arm, generated from the summary."""
+    lines = []
+    for _, s in summary.iterrows():
+        if s.status != "ok":
+            lines.append(f"{s.arm}: {s.status}.")
+            continue
+        text = (f"{s.arm} ({s.question}): {s.exact}/{s.n} prompts identical "
+                f"({s.match_rate:.0%}, 95% CI {s.match_lo:.0%}-{s.match_hi:.0%})")
+        nd = s.n - s.exact
+        if nd:
+            pos = sorted(s.first_divergence)
+            text += (f"; {nd} diverged (first divergence at tokens {pos[:8]}"
+                     f"{'...' if len(pos) > 8 else ''}), {s.near_tie} at near-ties "
+                     f"(margin < {near_tie}), {s.took_runner_up} took the reference's runner-up")
+            if s.substantive:
+                text += (f"; {s.substantive} SUBSTANTIVE (margin >= {near_tie}): not explained "
+                         "by a near-tie, investigate")
+        lines.append(text + ".")
+    return lines

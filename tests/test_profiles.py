@@ -1,0 +1,92 @@
+import json
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from speclab import profiles, sweep
+from speclab.profiles import ProfileError
+
+
+def write(tmp_path, **data):
+    base = {"name": "t", "backend": "cpu", "target": str(tmp_path), "draft": str(tmp_path),
+            "prompts": {"file": str(tmp_path / "p.jsonl")}}
+    p = tmp_path / "t.yaml"
+    p.write_text(yaml.safe_dump({**base, **data}))
+    return p
+
+
+@pytest.mark.parametrize("name", profiles.available())
+def test_shipped_profiles_are_valid(name):
+    prof = profiles.load(name)
+    assert sweep.expand(prof)
+
+
+@pytest.mark.parametrize("data, message", [
+    ({"grid": {"num_speculative_tokens": [-1, 2]}}, "k >= 0"),
+    ({"grid": {"layout": [{"tp": 2, "dp": 2}]}}, "server mode"),
+    ({"grid": {"layout": [{"tp": 0}]}}, "grid.layout.0.tp"),
+    ({"draft": None}, "no draft model"),
+    ({"engine": {"kv_cache_dtype": "fp8"}}, "set by the grid"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"bogus": 1}, "bogus"),
+    ({"backend": "tpu"}, "backend"),
+])
+def test_static_validation_errors_are_one_clear_line_each(tmp_path, data, message):
+    with pytest.raises(ProfileError) as e:
+        profiles.load(write(tmp_path, **data))
+    assert message in str(e.value)
+    assert "Traceback" not in str(e.value)
+
+
+def test_unknown_profile_lists_available():
+    with pytest.raises(ProfileError, match="available: .*tiny-cpu"):
+        profiles.load("no-such-profile")
+
+
+def test_environment_checks(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    prof = profiles.load(write(tmp_path, backend="cuda",
+                               grid={"kv_cache_dtype": ["fp9"], "layout": [{"tp": 4, "ep": True}]}))
+    problems = "\n".join(profiles.check_env(prof))
+    assert "'fp9' is not a KV dtype of vLLM" in problems
+    assert "needs 4 GPUs" in problems
+    assert "p.jsonl does not exist" in problems
+    missing = profiles.load(write(tmp_path, target="/nonexistent/model", draft="org/not-cached"))
+    problems = "\n".join(profiles.check_env(missing))
+    assert "/nonexistent/model: no such file" in problems
+    assert "org/not-cached: not in the local Hugging Face cache" in problems
+
+
+def test_expand_dedupes_draft_dtype_for_plain_points():
+    prof = profiles.load("v4flash-4xb200")
+    ids = [p.id for p in sweep.expand(prof)]
+    assert len(ids) == len(set(ids)) == 1 + 5 * 2
+    assert "k0_kv-fp8_tp4-ep_chat" in ids and "k3_kv-fp8_dkv-auto_tp4-ep_chat" in ids
+
+
+def test_profile_check_prints_engine_args_without_loading_models():
+    out = subprocess.run([sys.executable, "-m", "speclab", "profile", "check", "v4flash-4xb200"],
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "profile v4flash-4xb200: valid" in out.stdout
+    line = next(l for l in out.stdout.splitlines() if "k3_kv-fp8_dkv-auto" in l)
+    args = json.loads(out.stdout.split(line, 1)[1].split("LLM(**", 1)[1].split(")\n", 1)[0])
+    assert args["tensor_parallel_size"] == 4 and args["enable_expert_parallel"] is True
+    assert args["speculative_config"] == {"method": "eagle3", "num_speculative_tokens": 3,
+                                          "model": "ManiacLabs/DeepSeek-V4-Flash-EAGLE3.1",
+                                          "kv_cache_dtype": "auto"}
+    assert args["gpu_memory_utilization"] == 0.6 and args["max_model_len"] == 8192
+    assert "needs 4 GPUs" in out.stdout
+    strict = subprocess.run([sys.executable, "-m", "speclab", "profile", "check", "v4flash-4xb200",
+                             "--strict"], capture_output=True, text=True)
+    assert strict.returncode == 1
+
+
+def test_cli_reports_bad_profile_as_one_line_error(tmp_path):
+    bad = write(tmp_path, grid={"num_speculative_tokens": [-2]})
+    out = subprocess.run([sys.executable, "-m", "speclab", "profile", "check", str(bad)],
+                         capture_output=True, text=True)
+    assert out.returncode == 2
+    assert out.stderr.startswith("speclab: error:") and "Traceback" not in out.stderr

@@ -1,0 +1,303 @@
+"""The overlay's packaging and gating, without vLLM: install/uninstall of the ``.pth``,
+start-up safety, the version gate and hook failures (on small stand-in ``vllm`` trees that
+reproduce the module layout the hooks target), and ``speclab.overlay.status``."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from speclab import overlay
+
+OVERLAY = Path(__file__).resolve().parents[1] / "overlay"
+
+
+def run(code: str, *, path=(), env=None, flags=()) -> subprocess.CompletedProcess:
+    """Run ``code`` in a fresh interpreter with ``path`` on PYTHONPATH (-S: no site dirs)."""
+    full_env = {k: v for k, v in os.environ.items()
+                if k not in ("PYTHONPATH", "PYTHONDONTWRITEBYTECODE", "DSV4_EAGLE3_OVERLAY",
+                             "EAGLE3_DRAFT_KV_CACHE_DTYPE")}
+    full_env.update(env or {}, PYTHONPATH=os.pathsep.join(map(str, path)))
+    return subprocess.run([sys.executable, *flags, "-c", textwrap.dedent(code)], check=False,
+                          capture_output=True, text=True, env=full_env, timeout=120)
+
+
+def fake_vllm(root: Path, version: str, native: bool = False, kv_utils: bool = False) -> Path:
+    """A stand-in ``vllm`` package: version module, the interfaces the hook uses and a
+    DeepSeek-V4 model module shaped like 0.22's (optionally native, i.e. SupportsEagle3)."""
+    files = {
+        "__init__.py": "from .version import __version__\n",
+        "version.py": f"__version__ = {version!r}\n",
+        "model_executor/__init__.py": "",
+        "model_executor/models/__init__.py": "",
+        "model_executor/models/interfaces.py": """
+            class SupportsEagle3:
+                supports_eagle3 = True
+                has_own_lm_head = False
+                has_own_embed_tokens = False
+
+                def set_aux_hidden_state_layers(self, layers):
+                    self.model.aux_hidden_state_layers = tuple(layers)
+
+                def get_eagle3_default_aux_hidden_state_layers(self):
+                    n = len(self.model.layers)
+                    return (2, n // 2, n - 3)
+
+
+            def supports_eagle3(model):
+                return all(hasattr(model, m) for m in (
+                    "supports_eagle3", "has_own_lm_head", "has_own_embed_tokens",
+                    "set_aux_hidden_state_layers",
+                    "get_eagle3_default_aux_hidden_state_layers"))
+            """,
+        "models/__init__.py": "",
+        "models/deepseek_v4/__init__.py": "from .nvidia.model import DeepseekV4ForCausalLM\n",
+        "models/deepseek_v4/nvidia/__init__.py": "",
+        "models/deepseek_v4/nvidia/model.py": f"""
+            from vllm.model_executor.models.interfaces import SupportsEagle3
+
+
+            def get_pp_group():
+                raise AssertionError("no distributed group in this stand-in")
+
+
+            class IntermediateTensors(dict):
+                pass
+
+
+            class DeepseekV4Model:
+                def forward(self, input_ids, positions, intermediate_tensors,
+                            inputs_embeds=None):
+                    return "stock"
+
+
+            class DeepseekV4ForCausalLM({"SupportsEagle3" if native else "object"}):
+                pass
+            """,
+    }
+    if kv_utils:  # present but without the functions the overlay wraps
+        files |= {"v1/__init__.py": "", "v1/core/__init__.py": "",
+                  "v1/kv_cache_interface.py": "", "v1/core/kv_cache_utils.py": "X = 1\n"}
+    for rel, text in files.items():
+        path = root / "vllm" / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(text))
+    return root
+
+
+REPORT = """
+    import json, sys
+    import deepseek_v4_eagle3_aux as aux
+    aux.install()
+    import vllm.models.deepseek_v4 as pkg
+    from vllm.models.deepseek_v4.nvidia import model
+    print(json.dumps({
+        "status": {k: v["status"] for k, v in aux.PATCHES.items()},
+        "detail": {k: v["detail"] for k, v in aux.PATCHES.items()},
+        "forward_is_overlay": model.DeepseekV4Model.forward is aux.forward,
+        "supports_eagle3": getattr(model.DeepseekV4ForCausalLM, "supports_eagle3", False),
+        "heavy": [m for m in ("torch", "transformers") if m in sys.modules],
+    }))
+"""
+
+
+def gate(tmp_path, version, native=False, env=None, code=REPORT, **kw):
+    tree = fake_vllm(tmp_path / version, version, native=native, **kw)
+    done = run(code, path=[tree, OVERLAY], env=env, flags=["-S"])
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.splitlines()[-1]), done.stderr
+
+
+# --------------------------------------------------------------------------- version gate
+def test_known_version_is_patched(tmp_path):
+    out, err = gate(tmp_path, "0.22.0")
+    assert out["status"] == {"eagle3-interface": "applied", "aux-forward": "applied"}
+    assert out["forward_is_overlay"] and out["supports_eagle3"] is True
+    assert out["heavy"] == [] and "Warning" not in err
+
+
+def test_native_version_is_left_alone(tmp_path):
+    out, err = gate(tmp_path, "0.33.0", native=True)
+    assert set(out["status"].values()) == {"native"}
+    assert "natively" in out["detail"]["eagle3-interface"]
+    assert not out["forward_is_overlay"] and "Warning" not in err
+
+
+def test_native_version_points_to_the_native_draft_kv_knob(tmp_path):
+    out, _ = gate(tmp_path, "0.33.0", native=True, env={"EAGLE3_DRAFT_KV_CACHE_DTYPE": "fp8"})
+    assert out["status"]["draft-cache-config"] == "skipped"
+    assert "kv_cache_dtype" in out["detail"]["draft-cache-config"]
+
+
+def test_unknown_version_is_refused_with_a_warning(tmp_path):
+    out, err = gate(tmp_path, "0.25.0")
+    assert set(out["status"].values()) == {"refused"}
+    assert not out["forward_is_overlay"]
+    assert "RuntimeWarning" in err and "DSV4_EAGLE3_OVERLAY=force" in err
+
+
+def test_force_patches_an_unknown_version(tmp_path):
+    out, _ = gate(tmp_path, "0.25.0", env={"DSV4_EAGLE3_OVERLAY": "force"})
+    assert set(out["status"].values()) == {"applied"} and out["forward_is_overlay"]
+
+
+def test_off_disables_everything(tmp_path):
+    out, err = gate(tmp_path, "0.22.0", env={"DSV4_EAGLE3_OVERLAY": "off"})
+    assert set(out["status"].values()) == {"off"} and not out["forward_is_overlay"]
+    assert "Warning" not in err
+
+
+def test_install_after_import_patches_at_once(tmp_path):
+    code = """
+        import json
+        import vllm.models.deepseek_v4.nvidia.model as model
+        import deepseek_v4_eagle3_aux as aux
+        aux.install(); aux.install()
+        print(json.dumps({"forward_is_overlay": model.DeepseekV4Model.forward is aux.forward,
+                          "status": {k: v["status"] for k, v in aux.PATCHES.items()}}))
+    """
+    out, _ = gate(tmp_path, "0.22.0", code=code)
+    assert out == {"forward_is_overlay": True,
+                   "status": {"eagle3-interface": "applied", "aux-forward": "applied"}}
+
+
+def test_failing_patches_warn_and_never_break_the_import(tmp_path):
+    tree = fake_vllm(tmp_path / "t", "0.22.0", kv_utils=True)
+    (tree / "vllm/models/deepseek_v4/__init__.py").write_text("")
+    (tree / "vllm/models/deepseek_v4/nvidia/model.py").write_text("X = 2\n")  # no classes
+    code = """
+        import json
+        import deepseek_v4_eagle3_aux as aux
+        aux.install()
+        import vllm.v1.core.kv_cache_utils as kvu   # lacks the functions the overlay wraps
+        import vllm.models.deepseek_v4.nvidia.model as model
+        print(json.dumps({k: v["status"] for k, v in aux.PATCHES.items()}
+                         | {"imported": kvu.X + model.X}))
+    """
+    done = run(code, path=[tree, OVERLAY], flags=["-S"])
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout.splitlines()[-1])
+    assert out["imported"] == 3
+    assert {out[k] for k in ("kv-groups", "kv-tensors", "kv-memory-check", "kv-pool-bytes")} == {
+        "failed"}
+    assert out["patch_model"] == "failed"
+    assert "not found in vLLM 0.22.0" in done.stderr and "AttributeError" in done.stderr
+
+
+# --------------------------------------------------------------------------- install / .pth
+SITE_PROBE = """
+    import json, site, sys
+    site.addsitedir(sys.argv[1] if len(sys.argv) > 1 else {site!r})
+    mod = sys.modules.get("eagle3_draft_kv_cache")
+    print(json.dumps({{"installed": bool(mod and mod.installed()),
+                      "heavy": [m for m in ("torch", "vllm") if m in sys.modules]}}))
+"""
+
+
+def addsitedir(site: Path) -> subprocess.CompletedProcess:
+    return run(SITE_PROBE.format(site=str(site)), flags=["-S"])
+
+
+def test_install_is_idempotent_and_processed_by_site(tmp_path):
+    site = tmp_path / "site"
+    pth = overlay.install(site)
+    assert pth == site / overlay.PTH_NAME and pth.read_text() == overlay.PTH_TEXT
+    folder = site / overlay.DIR_NAME
+    for name in overlay.FILES:
+        assert (folder / name).read_bytes() == (OVERLAY / name).read_bytes()
+    stamps = {p: p.stat().st_mtime_ns for p in [pth, *folder.iterdir()]}
+    assert overlay.install(site) == pth
+    assert {p: p.stat().st_mtime_ns for p in [pth, *folder.iterdir()]} == stamps
+
+    done = addsitedir(site)
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    assert json.loads(done.stdout) == {"installed": True, "heavy": []}
+
+    moved = shutil.copytree(site, tmp_path / "elsewhere")  # the .pth holds no absolute path
+    assert json.loads(addsitedir(moved).stdout)["installed"]
+
+
+def test_uninstall_removes_exactly_what_install_wrote(tmp_path):
+    site = tmp_path / "site"
+    (site / "other.pth").parent.mkdir(parents=True)
+    (site / "other.pth").write_text("")
+    overlay.install(site)
+    assert addsitedir(site).returncode == 0  # leaves __pycache__ behind in the overlay folder
+    removed = overlay.uninstall(site)
+    assert site / overlay.PTH_NAME in removed and site / overlay.DIR_NAME in removed
+    assert sorted(p.name for p in site.iterdir()) == ["other.pth"]
+    assert overlay.uninstall(site) == []
+
+
+@pytest.mark.parametrize("damage", ["syntax error", "missing file"])
+def test_broken_overlay_never_breaks_startup(tmp_path, damage):
+    site = tmp_path / "site"
+    overlay.install(site)
+    aux = site / overlay.DIR_NAME / "deepseek_v4_eagle3_aux.py"
+    if damage == "syntax error":
+        aux.write_text("def broken(:\n")
+    else:
+        aux.unlink()
+    done = addsitedir(site)
+    assert done.returncode == 0
+    assert json.loads(done.stdout)["installed"] is False
+    assert "DeepSeek-V4 EAGLE-3 overlay not loaded" in done.stderr
+    assert ("SyntaxError" if damage == "syntax error" else "No module named") in done.stderr
+
+
+# --------------------------------------------------------------------------- status
+STATUS = """
+    import json, sys
+    from speclab import overlay
+    st = overlay.status(site={site!r}, probe={probe})
+    text = overlay.format_status(st)
+    print(json.dumps(st | {{"text": text, "heavy": [m for m in ("torch", "vllm")
+                                                     if m in sys.modules]}}))
+"""
+
+
+def status_in(tmp_path, tree, site, probe=False, env=None):
+    src = Path(overlay.__file__).resolve().parents[1]
+    done = run(STATUS.format(site=str(site), probe=probe), path=[tree, src], env=env,
+               flags=["-S"])
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def test_status_overlay_version_not_installed_then_installed(tmp_path):
+    tree = fake_vllm(tmp_path / "v", "0.22.0")
+    site = tmp_path / "site"
+    site.mkdir()
+    st = status_in(tmp_path, tree, site)
+    assert st["vllm"]["version"] == "0.22.0" and st["support"] == "none"
+    assert "not installed" in st["support_detail"] and st["pth"] == []
+    assert st["heavy"] == [] and st["patches_source"] == "plan"
+
+    overlay.install(site)
+    st = status_in(tmp_path, tree, site, env={"EAGLE3_DRAFT_KV_CACHE_DTYPE": "fp8"})
+    assert st["support"] == "overlay" and st["pth"] == [str(site / overlay.PTH_NAME)]
+    assert st["overlay_dir"] == str(site / overlay.DIR_NAME)
+    assert st["draft_kv_cache_dtype"] == {"value": "fp8", "source": "EAGLE3_DRAFT_KV_CACHE_DTYPE"}
+    assert {p["status"] for p in st["patches"].values()} == {"planned"}
+    assert "EAGLE-3 overlay" in st["text"] and "kv-groups" in st["text"]
+
+    st = status_in(tmp_path, tree, site, probe=True)
+    assert st["patches_source"] == "probe"
+    assert st["patches"]["aux-forward"]["status"] == "applied"
+
+
+def test_status_native_and_unknown_versions(tmp_path):
+    site = tmp_path / "site"
+    site.mkdir()
+    st = status_in(tmp_path, fake_vllm(tmp_path / "n", "0.33.0", native=True), site)
+    assert st["support"] == "native" and st["patches"] == {}
+    assert "kv_cache_dtype" in st["draft_kv_cache_dtype"]["source"]
+    st = status_in(tmp_path, fake_vllm(tmp_path / "u", "0.25.0"), site)
+    assert st["support"] == "none" and "force" in st["support_detail"]

@@ -35,14 +35,28 @@ def cmd_run(a) -> int:
 
 
 def cmd_sweep(a) -> int:
-    from speclab import profiles, report, sweep
+    import fnmatch
 
-    prof = profiles.load(a.profile)
+    from speclab import parity, profiles, report, server, sweep
+
+    prof = profiles.load(a.profile, json.loads(a.override) if a.override else None)
     problems = profiles.check_env(prof)
     if problems:
         raise profiles.ProfileError("\n".join(problems))
+    points = sweep.expand(prof)
+    if a.with_parity:
+        points += parity.points_of(parity.plan(prof, prof.parity.arms,
+                                               k_values=prof.parity.k_values,
+                                               spec_k=prof.parity.spec_k))
+    points = list({p.id: p for p in points}.values())
+    if a.only:
+        points = [p for p in points if any(fnmatch.fnmatch(p.id, g) for g in a.only.split(","))]
     run_dir, _ = report.run_dirs(a.run_id or prof.name)
-    res = sweep.run(prof, run_dir, retry_failed=not a.no_retry)
+    if a.mode == "server":
+        levels = [int(c) for c in a.concurrency.split(",")]
+        res = [m for p in points for m in server.run_point(prof, p, run_dir, levels)]
+    else:
+        res = sweep.run(prof, run_dir, points, retry_failed=not a.no_retry)
     failed = [r["point_id"] for r in res if r["status"] != "ok"]
     print(f"{len(res) - len(failed)}/{len(res)} points ok in {run_dir}"
           + (f"; failed: {', '.join(failed)}" if failed else ""))
@@ -136,6 +150,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", default="tiny-cpu")
     p.add_argument("--run-id")
     p.add_argument("--no-retry", action="store_true", help="do not retry failed points")
+    p.add_argument("--with-parity", action="store_true",
+                   help="also run the points of the profile's parity arms")
+    p.add_argument("--only", help="comma-separated globs over point ids, e.g. 'k0_*,k3_*'")
+    p.add_argument("--override", help="JSON merged into the profile, e.g. "
+                   "'{\"engine\": {\"enforce_eager\": false}}'")
+    p.add_argument("--mode", choices=["offline", "server"], default="offline")
+    p.add_argument("--concurrency", default="1,4",
+                   help="server mode: comma-separated concurrency levels")
     p.set_defaults(fn=cmd_sweep)
 
     p = sub.add_parser("profile", help="list or check profiles (no model is loaded)")

@@ -26,7 +26,7 @@ import pandas as pd
 
 from speclab import engine, metrics, prompts
 from speclab.profiles import Profile, prompt_file, resolve_model
-from speclab.sweep import Point, read_meta, write_point
+from speclab.sweep import Point, atomic_write, read_meta, write_point
 
 SERVED_NAME = "speclab"
 
@@ -204,6 +204,7 @@ def run_point(profile: Profile, point: Point, run_dir: Path, levels: list[int]) 
     env = {**env, "VLLM_LOG_STATS_INTERVAL": env.get("VLLM_LOG_STATS_INTERVAL", "1")}
     reqs = [request_body(p, point.prompt_format, profile.max_tokens, profile.temperature,
                          profile.ignore_eos) for p in plist]
+    atomic_write(Path(run_dir) / "profile.json", profile.model_dump_json(indent=1))
     log_path = Path(run_dir) / "logs" / f"{point.id}_serve.log"
     out = []
     started = time.time()

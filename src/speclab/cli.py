@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 import time
 from pathlib import Path
@@ -198,6 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     from speclab.profiles import ProfileError
 
     a = build_parser().parse_args(argv)
+    # SIGTERM unwinds like Ctrl-C, so worker processes and servers are stopped on the way out
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         return a.fn(a)
     except (ProfileError, ValueError, FileNotFoundError) as e:

@@ -99,6 +99,8 @@ class Profile(BaseModel):
     compare_formats: list[Literal["raw", "chat"]] = []
     engine: dict[str, Any] = {}
     env: dict[str, str] = {}
+    # required: check_env fails unless vLLM supports EAGLE-3 on DeepSeek-V4 natively or the
+    # overlay is installed; off: no check (e.g. to reproduce the stock error)
     overlay: Literal["auto", "required", "off"] = "auto"
     min_vllm: str | None = None
     timeout_s: int = Field(900, ge=10)
@@ -249,6 +251,12 @@ def check_env(profile: Profile) -> list[str]:
     for ref in filter(None, (profile.target, profile.draft, profile.tokenizer)):
         if (msg := _model_problem(ref)) is not None:
             problems.append(msg)
+    if profile.overlay == "required" and v is not None:
+        from speclab import overlay
+
+        st = overlay.status()
+        if st["support"] == "none":
+            problems.append(f"DeepSeek-V4 EAGLE-3: {st['support_detail']}")
     pfile = prompt_file(profile)
     if not pfile.exists():
         problems.append(f"prompts.file: {pfile} does not exist")

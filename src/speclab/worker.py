@@ -7,6 +7,7 @@ contained; the parent (sweep.run_point) sets the environment before Python start
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 import traceback
@@ -70,6 +71,7 @@ def main(spec_path: str) -> int:
         t["import_s"] = time.perf_counter() - i0
         native = engine.native_draft_kv_dtype() if point.k > 0 else True
         args, env = engine.engine_args(profile, point, target, draft, native)
+        os.environ.update(env)  # the draft KV dtype variable is only known here
         meta.update(engine_args=args, env=env, vllm_version=vllm.__version__)
         e0 = time.perf_counter()
         with engine.open_llm(args) as llm:

@@ -1,0 +1,237 @@
+#!/usr/bin/env python3
+"""Run the lab's GPU jobs on the device machine within one call's time, resuming across calls.
+
+    eval "$(bash tools/gpu/unpack.sh .stage/gpu)"
+    python3 tools/gpu/lab.py --out $OUT --deadline 540 [--only job,job] [--gpus 2]
+
+Jobs (JOBS below) run as subprocesses, each with its own log and timeout. Single-GPU jobs run
+two at a time when two GPUs are visible (one per GPU); two-GPU jobs wait for both. A job that
+finished in an earlier call on the same warm machine is skipped (state in /tmp/speclab_lab);
+sweep points resume by themselves. No job starts unless it can end before the deadline.
+Everything the jobs wrote (data/runs/<run>/, logs) is packed into $OUT/results.tar.gz after
+every job, so a call that is cut short still returns what was done, with $OUT/summary.json."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tarfile
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+STATE = Path("/tmp/speclab_lab")
+PY = sys.executable
+SPECLAB = [PY, "-m", "speclab"]
+RUNS = REPO / "data" / "runs"
+DATE = time.strftime("%Y%m%d")
+
+# name, GPUs, timeout (s), command, run folders it writes (under data/runs)
+JOBS: list[dict] = []
+
+
+def job(name: str, gpus: int, timeout: int, cmd: list[str], runs: list[str], env=None,
+        expect_fail: bool = False):
+    JOBS.append({"name": name, "gpus": gpus, "timeout": timeout, "cmd": cmd, "runs": runs,
+                 "env": env or {}, "expect_fail": expect_fail})
+
+
+def sweep(profile: str, run: str, *extra: str) -> list[str]:
+    return [*SPECLAB, "sweep", "--profile", profile, "--run-id", run, *extra]
+
+
+DIAL, RIG, NEAR = (f"h200-{n}-{DATE}" for n in ("dsv4-dial", "dsv4-rig", "dsv4-neartie"))
+T = "tools/gpu"
+FIXTURES = ["tiny-dsv4", "tiny-dsv4-eagle3", "rig-dsv4", "rig-dsv4-eagle3", "dial-dsv4",
+            "dial-dsv4-eagle3", "neartie-dsv4", "neartie-dsv4-eagle3"]
+TP1 = "*_tp1_*"
+# Priority order. Proof of the overlay first (stock error, exact rig counters, sanity of plain
+# decoding against the transformers reference, aux states), then the acceptance sweep, the
+# parity arms, server mode, compiled mode, the two-GPU arms and the cost benchmark.
+job("rig", 1, 600, sweep("tiny-dsv4-rig", RIG), [RIG])
+job("stock-error", 1, 300, sweep("tiny-dsv4-rig", f"{RIG}-stock", "--only", "k3_*", "--override",
+                                 '{"env": {"DSV4_EAGLE3_OVERLAY": "off"}, "overlay": "off"}'),
+    [f"{RIG}-stock"], expect_fail=True)
+job("sanity", 1, 420, [PY, f"{T}/dsv4_sanity.py", "--run-dir", f"data/runs/{DIAL}/sanity-tiny",
+                       "--target", "tiny-dsv4"], [DIAL])
+job("aux-check", 1, 420, [PY, f"{T}/aux_check.py", "--run-dir", f"data/runs/{DIAL}"], [DIAL])
+job("dial-auto", 1, 900, sweep("tiny-dsv4-h200", DIAL, "--only", "k0_*,*dkv-auto*"), [DIAL])
+job("sanity-neartie", 1, 420, [PY, f"{T}/dsv4_sanity.py", "--run-dir",
+                               f"data/runs/{NEAR}/sanity", "--target", "neartie-dsv4"], [NEAR])
+job("neartie-parity", 1, 1200, sweep("tiny-dsv4-neartie-h200", NEAR, "--with-parity",
+                                     "--only", TP1), [NEAR])
+job("dial-fp8", 1, 900, sweep("tiny-dsv4-h200", DIAL, "--only", "*dkv-fp8*"), [DIAL])
+job("serve", 1, 600, sweep("tiny-dsv4-h200", DIAL, "--mode", "server", "--concurrency", "1,4",
+                           "--only", "k3_*dkv-auto*"), [DIAL])
+job("compiled", 1, 600, sweep("tiny-dsv4-h200", f"{DIAL}-compiled", "--only",
+                              "k0_*,k3_*dkv-auto*", "--override",
+                              '{"engine": {"enforce_eager": false}, '
+                              '"env": {"VLLM_DISABLE_COMPILE_CACHE": "1"}}'), [f"{DIAL}-compiled"])
+job("tp2-ep", 2, 900, ["bash", "-c", "; ".join(
+    " ".join(sweep(p, r, "--with-parity", "--only", "'*tp2-ep*'"))
+    for p, r in (("tiny-dsv4-h200", DIAL), ("tiny-dsv4-neartie-h200", NEAR)))], [DIAL, NEAR])
+job("cost", 1, 600, [PY, f"{T}/overlay_cost.py", "--run-dir", f"data/runs/{DIAL}-cost"],
+    [f"{DIAL}-cost"] + [f"{DIAL}-cost-overlay-{m}-r{r}" for m in ("auto", "off") for r in (0, 1)])
+
+
+def log(msg: str, fh=None) -> None:
+    line = f"[{time.strftime('%H:%M:%S')}] {msg}"
+    print(line, flush=True)
+    if fh:
+        fh.write(line + "\n")
+        fh.flush()
+
+
+def pack(out: Path, summary: dict, lock: threading.Lock) -> None:
+    """results.tar.gz with every run folder jobs wrote, plus summary.json (rewritten whole)."""
+    with lock:
+        tmp = out / ".results.tar.gz"
+        with tarfile.open(tmp, "w:gz") as tar:
+            for run in sorted({r for j in JOBS for r in j["runs"]}):
+                if (RUNS / run).exists():
+                    tar.add(RUNS / run, arcname=f"data/runs/{run}")
+            if (STATE / "logs").exists():
+                tar.add(STATE / "logs", arcname="gpu-logs")
+        os.replace(tmp, out / "results.tar.gz")
+        (out / "summary.json").write_text(json.dumps(summary, indent=1))
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """SIGTERM the job's group (speclab stops its workers and servers on the way out), then
+    SIGKILL whatever is left."""
+    for sig, wait in ((signal.SIGTERM, 25), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)
+            proc.wait(timeout=wait)
+            return
+        except ProcessLookupError:
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def run_job(j: dict, devices: str, fh, summary: dict, out: Path, lock: threading.Lock,
+            deadline: float) -> None:
+    logf = STATE / "logs" / f"{j['name']}.log"
+    env = {**os.environ, **j["env"], "CUDA_VISIBLE_DEVICES": devices,
+           "PYTHONPATH": f"{REPO / 'src'}:{os.environ.get('PYTHONPATH', '')}"}
+    timeout = max(10, min(j["timeout"], deadline - time.time()))
+    log(f"start {j['name']} on GPU {devices} (timeout {timeout:.0f} s)", fh)
+    t0 = time.time()
+    with open(logf, "ab") as f:
+        f.write(f"\n=== {time.ctime()} {' '.join(j['cmd'])}\n".encode())
+        f.flush()
+        proc = subprocess.Popen(j["cmd"], cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            stop(proc)
+            rc = "timeout"
+    wall = round(time.time() - t0, 1)
+    tail = logf.read_text(errors="replace").splitlines()[-15:]
+    with lock:
+        summary["jobs"][j["name"]] = {"rc": rc, "wall_s": wall, "gpus": devices, "tail": tail}
+        if rc == 0 or (j["expect_fail"] and rc != "timeout"):
+            done = set(json.loads((STATE / "done.json").read_text())) if (
+                STATE / "done.json").exists() else set()
+            (STATE / "done.json").write_text(json.dumps(sorted(done | {j["name"]})))
+    log(f"end {j['name']}: rc={rc} in {wall} s", fh)
+    pack(out, summary, lock)
+
+
+def setup(fh) -> None:
+    """Once per machine: the overlay's .pth into the bundle's site dir (processed by every
+    Python process through the bundle's sitecustomize), an RTLD_GLOBAL preload of libnvrtc
+    that TileLang needs, the fixtures, and an environment report."""
+    site = os.environ["SPECLAB_SITE"]
+    env = {**os.environ, "PYTHONPATH": f"{REPO / 'src'}:{os.environ.get('PYTHONPATH', '')}"}
+    (RUNS / DIAL).mkdir(parents=True, exist_ok=True)
+    steps = [
+        [*SPECLAB, "overlay", "install", "--site", site],
+        [PY, f"{T}/gpu_env.py", "install", "--site", site],
+        [PY, f"{T}/selftest.py", "--no-serve", "--json", f"data/runs/{DIAL}/selftest.json"],
+        [*SPECLAB, "fixtures", "build", *FIXTURES],
+    ]
+    for cmd in steps:
+        t0 = time.time()
+        r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+        log(f"setup {' '.join(cmd[1:5])}: rc={r.returncode} ({time.time() - t0:.0f} s)\n"
+            + (r.stdout + r.stderr)[-2000:], fh)
+        st = RUNS / DIAL / "selftest.json"
+        if "selftest.py" in cmd[1] and st.exists() and not json.loads(st.read_text()).get(
+                "jit", {}).get("ok", True):
+            os.environ["DSV4_COMPRESSOR"] = "triton"
+            log("CuTe DSL JIT failed: using vLLM's Triton compressor (recorded in env.json)", fh)
+    env["DSV4_COMPRESSOR"] = os.environ.get("DSV4_COMPRESSOR", "")
+    subprocess.run([PY, f"{T}/gpu_env.py", "report", "--out", f"data/runs/{DIAL}/env.json"],
+                   cwd=REPO, env=env)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--deadline", type=float, default=540, help="seconds from now")
+    ap.add_argument("--only", help="comma-separated job names (default: all not yet done)")
+    ap.add_argument("--gpus", type=int, default=None, help="GPUs to use (default: all visible)")
+    ap.add_argument("--min-left", type=float, default=60,
+                    help="do not start a job with less time than this left")
+    a = ap.parse_args()
+    deadline = time.time() + a.deadline
+    (STATE / "logs").mkdir(parents=True, exist_ok=True)
+    a.out.mkdir(parents=True, exist_ok=True)
+    import torch
+
+    ngpu = a.gpus or torch.cuda.device_count()
+    done = set(json.loads((STATE / "done.json").read_text())) if (STATE / "done.json").exists() \
+        else set()
+    todo = [j for j in JOBS if j["name"] not in done and (not a.only or j["name"] in a.only.split(","))]
+    todo = [j for j in todo if j["gpus"] <= ngpu]
+    summary = {"started": time.ctime(), "gpus": ngpu, "skipped_done": sorted(done), "jobs": {}}
+    lock = threading.Lock()
+    fh = open(a.out / "driver.log", "a")
+    log(f"{ngpu} GPU(s); jobs to run: {[j['name'] for j in todo]}", fh)
+    setup(fh)
+    free = [str(i) for i in range(ngpu)]
+    threads: list[threading.Thread] = []
+    while todo:
+        threads = [t for t in threads if t.is_alive()]
+        if deadline - time.time() < a.min_left:
+            log(f"deadline: not started {[j['name'] for j in todo]}", fh)
+            break
+        j = todo[0]
+        if j["gpus"] > len(free):
+            time.sleep(2)
+            continue
+        todo.pop(0)
+        devs = [free.pop(0) for _ in range(j["gpus"])]
+
+        def target(j=j, devs=devs):
+            try:
+                run_job(j, ",".join(devs), fh, summary, a.out, lock, deadline)
+            finally:
+                free.extend(devs)
+                free.sort()
+
+        t = threading.Thread(target=target)
+        t.start()
+        threads.append(t)
+        time.sleep(1)
+    for t in threads:
+        t.join(timeout=max(1, deadline + 30 - time.time()))
+    # safety net: no engine or server may outlive this call and hold GPU memory
+    subprocess.run(["pkill", "-9", "-f", "speclab.worker|vllm.entrypoints"], check=False)
+    summary["not_started"] = [j["name"] for j in todo]
+    summary["finished"] = time.ctime()
+    pack(a.out, summary, lock)
+    log("driver done", fh)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

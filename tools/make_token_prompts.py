@@ -1,0 +1,34 @@
+#!/usr/bin/env python3
+"""Token-id prompt sets for the tokenizer-less DeepSeek-V4 fixtures (vocab 2048):
+data/prompts/tiny-dsv4-ids.jsonl (16 prompts of 16/64/256/1024 tokens: the longer ones reach
+the C4/C128 compressed-attention layers) and data/prompts/rig-dsv4-ids.jsonl (8 prompts of 8
+tokens for the counting rig). Random ids from `speclab.fixtures.dsv4_rigs.rig_prompt_token_ids`
+(seeded), which keeps every prompt and its 64-token counting continuation clear of special
+tokens and of the vocabulary's end. Deterministic: `python tools/make_token_prompts.py`."""
+
+import json
+from pathlib import Path
+
+from speclab.fixtures.dsv4_rigs import rig_prompt_token_ids
+
+OUT = Path(__file__).resolve().parents[1] / "data" / "prompts"
+
+
+def write(name: str, rows: list[dict]) -> None:
+    (OUT / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def main() -> None:
+    rows = []
+    for j, length in enumerate((16, 64, 256, 1024)):
+        for i, ids in enumerate(rig_prompt_token_ids(2048, n=4, length=length, seed=100 + j)):
+            rows.append({"id": f"len{length}-{i}", "category": f"len{length}",
+                         "prompt_token_ids": ids})
+    write("tiny-dsv4-ids", rows)
+    write("rig-dsv4-ids", [{"id": f"rig-{i}", "category": "rig", "prompt_token_ids": ids}
+                           for i, ids in enumerate(rig_prompt_token_ids(2048, n=8, length=8,
+                                                                        seed=7))])
+
+
+if __name__ == "__main__":
+    main()

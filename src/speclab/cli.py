@@ -38,7 +38,7 @@ def cmd_run(a) -> int:
 def cmd_sweep(a) -> int:
     import fnmatch
 
-    from speclab import parity, profiles, report, server, sweep
+    from speclab import parity, profiles, server, sweep
 
     prof = profiles.load(a.profile, json.loads(a.override) if a.override else None)
     problems = profiles.check_env(prof)
@@ -52,7 +52,7 @@ def cmd_sweep(a) -> int:
     points = list({p.id: p for p in points}.values())
     if a.only:
         points = [p for p in points if any(fnmatch.fnmatch(p.id, g) for g in a.only.split(","))]
-    run_dir, _ = report.run_dirs(a.run_id or prof.name)
+    run_dir, _ = sweep.run_dirs(a.run_id or prof.name)
     if a.mode == "server":
         levels = [int(c) for c in a.concurrency.split(",")]
         res = [m for p in points for m in server.run_point(prof, p, run_dir, levels)]

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import nbformat
 
-from speclab import profiles
+from speclab import profiles, sweep
 from speclab.engine import versions
 
 REPO = profiles.REPO
@@ -67,12 +67,6 @@ def read_records(notebook: str | Path) -> dict:
     return out
 
 
-def run_dirs(run_id: str, runs_root: Path | None = None, figures_root: Path | None = None
-             ) -> tuple[Path, Path]:
-    return ((runs_root or REPO / "data" / "runs") / run_id,
-            (figures_root or REPO / "figures") / run_id)
-
-
 def run_suite(profile: str, *, run_id: str | None = None, notebooks=SUITE,
               parameters: dict | None = None, runs_root: Path | None = None,
               figures_root: Path | None = None, log=print) -> Path:
@@ -85,7 +79,7 @@ def run_suite(profile: str, *, run_id: str | None = None, notebooks=SUITE,
     problems = profiles.check_env(prof)
     if problems:
         raise profiles.ProfileError(f"profile {prof.name} cannot run here:\n  " + "\n  ".join(problems))
-    run_dir, fig_dir = run_dirs(run_id or prof.name, runs_root, figures_root)
+    run_dir, fig_dir = sweep.run_dirs(run_id or prof.name, runs_root, figures_root)
     nb_out = run_dir / "notebooks"
     nb_out.mkdir(parents=True, exist_ok=True)
     params = {"profile": profile, "run_dir": str(run_dir), "figures_dir": str(fig_dir),

@@ -79,6 +79,16 @@ def expand(profile: Profile) -> list[Point]:
 
 
 # --------------------------------------------------------------------- results on disk
+def run_dirs(run_id: str, runs_root: Path | None = None, figures_root: Path | None = None
+             ) -> tuple[Path, Path]:
+    """(data/runs/<run_id>, figures/<run_id>) under the repository, or under given roots."""
+    from speclab.profiles import REPO
+
+    return ((runs_root or REPO / "data" / "runs") / run_id,
+            (figures_root or REPO / "figures") / run_id)
+
+
+
 def point_paths(run_dir: Path, point_id: str) -> tuple[Path, Path]:
     d = Path(run_dir) / "points"
     return d / f"{point_id}.parquet", d / f"{point_id}.json"

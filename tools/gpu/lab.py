@@ -57,24 +57,24 @@ job("rig", 1, 600, sweep("tiny-dsv4-rig", RIG), [RIG])
 job("stock-error", 1, 300, sweep("tiny-dsv4-rig", f"{RIG}-stock", "--only", "k3_*", "--override",
                                  '{"env": {"DSV4_EAGLE3_OVERLAY": "off"}, "overlay": "off"}'),
     [f"{RIG}-stock"], expect_fail=True)
-job("sanity", 1, 420, [PY, f"{T}/dsv4_sanity.py", "--run-dir", f"data/runs/{DIAL}/sanity-tiny",
-                       "--target", "tiny-dsv4"], [DIAL])
-job("aux-check", 1, 420, [PY, f"{T}/aux_check.py", "--run-dir", f"data/runs/{DIAL}"], [DIAL])
 job("dial-auto", 1, 900, sweep("tiny-dsv4-h200", DIAL, "--only", "k0_*,*dkv-auto*"), [DIAL])
-job("sanity-neartie", 1, 420, [PY, f"{T}/dsv4_sanity.py", "--run-dir",
-                               f"data/runs/{NEAR}/sanity", "--target", "neartie-dsv4"], [NEAR])
 job("neartie-parity", 1, 1200, sweep("tiny-dsv4-neartie-h200", NEAR, "--with-parity",
                                      "--only", TP1), [NEAR])
-job("dial-fp8", 1, 900, sweep("tiny-dsv4-h200", DIAL, "--only", "*dkv-fp8*"), [DIAL])
+job("sanity", 1, 420, [PY, f"{T}/dsv4_sanity.py", "--run-dir", f"data/runs/{DIAL}/sanity-tiny",
+                       "--target", "tiny-dsv4"], [DIAL])
 job("serve", 1, 600, sweep("tiny-dsv4-h200", DIAL, "--mode", "server", "--concurrency", "1,4",
                            "--only", "k3_*dkv-auto*"), [DIAL])
+job("dial-fp8", 1, 900, sweep("tiny-dsv4-h200", DIAL, "--only", "*dkv-fp8*"), [DIAL])
+job("tp2-ep", 2, 900, ["bash", "-c", "; ".join(
+    " ".join(sweep(p, r, "--with-parity", "--only", "'*tp2-ep*'"))
+    for p, r in (("tiny-dsv4-h200", DIAL), ("tiny-dsv4-neartie-h200", NEAR)))], [DIAL, NEAR])
 job("compiled", 1, 600, sweep("tiny-dsv4-h200", f"{DIAL}-compiled", "--only",
                               "k0_*,k3_*dkv-auto*", "--override",
                               '{"engine": {"enforce_eager": false}, '
                               '"env": {"VLLM_DISABLE_COMPILE_CACHE": "1"}}'), [f"{DIAL}-compiled"])
-job("tp2-ep", 2, 900, ["bash", "-c", "; ".join(
-    " ".join(sweep(p, r, "--with-parity", "--only", "'*tp2-ep*'"))
-    for p, r in (("tiny-dsv4-h200", DIAL), ("tiny-dsv4-neartie-h200", NEAR)))], [DIAL, NEAR])
+job("aux-check", 1, 420, [PY, f"{T}/aux_check.py", "--run-dir", f"data/runs/{DIAL}"], [DIAL])
+job("sanity-neartie", 1, 420, [PY, f"{T}/dsv4_sanity.py", "--run-dir",
+                               f"data/runs/{NEAR}/sanity", "--target", "neartie-dsv4"], [NEAR])
 job("cost", 1, 600, [PY, f"{T}/overlay_cost.py", "--run-dir", f"data/runs/{DIAL}-cost"],
     [f"{DIAL}-cost"] + [f"{DIAL}-cost-overlay-{m}-r{r}" for m in ("auto", "off") for r in (0, 1)])
 
@@ -173,6 +173,25 @@ def setup(fh) -> None:
                    cwd=REPO, env=env)
 
 
+JIT_CACHES = ["~/.triton/cache", "~/.tilelang", "~/.deep_gemm", "~/.cache/tilelang",
+              "~/.cache/vllm"]
+
+
+def save_jit_cache(out: Path, fh) -> None:
+    """The kernels JIT-compiled on this machine (TileLang, DeepGEMM, Triton), so a later
+    session can carry them instead of compiling for minutes; dropped if over 15 MiB."""
+    dirs = [os.path.expanduser(d) for d in JIT_CACHES if os.path.isdir(os.path.expanduser(d))]
+    if not dirs:
+        return
+    dest = out / "jit-cache.tar.gz"
+    subprocess.run(["tar", "czf", str(dest), *dirs], check=False, capture_output=True)
+    size = dest.stat().st_size if dest.exists() else 0
+    sizes = subprocess.run(["du", "-sh", *dirs], capture_output=True, text=True).stdout
+    log(f"jit caches: {sizes.strip()} -> {size / 2**20:.1f} MiB", fh)
+    if size > 15 * 2**20:
+        dest.unlink()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
@@ -226,6 +245,7 @@ def main() -> int:
         t.join(timeout=max(1, deadline + 30 - time.time()))
     # safety net: no engine or server may outlive this call and hold GPU memory
     subprocess.run(["pkill", "-9", "-f", "speclab.worker|vllm.entrypoints"], check=False)
+    save_jit_cache(a.out, fh)
     summary["not_started"] = [j["name"] for j in todo]
     summary["finished"] = time.ctime()
     pack(a.out, summary, lock)

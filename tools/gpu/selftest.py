@@ -75,6 +75,9 @@ def check_jit():
     import torch
     from cutlass.cute.runtime import from_dlpack
 
+    # CuTe DSL resolves the kernels' annotations in this module's globals
+    globals().update(cutlass=cutlass, cute=cute)
+
     @cute.kernel
     def add_kernel(g_a: cute.Tensor, g_b: cute.Tensor, g_c: cute.Tensor):
         tidx, _, _ = cute.arch.thread_idx()

@@ -72,11 +72,13 @@ def run_suite(profile: str, *, run_id: str | None = None, notebooks=SUITE,
               figures_root: Path | None = None, log=print) -> Path:
     """Validate the profile, execute the notebooks into <run>/notebooks/, write
     provenance.json and report.html; returns the report path. Fails before any notebook
-    runs if the profile cannot run here. Re-running resumes the sweeps."""
+    runs if the profile cannot run here, unless parameters["execute"] is False (re-render
+    figures and report from the run's results only). Re-running resumes the sweeps."""
     import papermill as pm
 
     prof = profiles.load(profile, (parameters or {}).get("overrides"))
-    problems = profiles.check_env(prof)
+    executes = (parameters or {}).get("execute", True)
+    problems = profiles.check_env(prof) if executes else []
     if problems:
         raise profiles.ProfileError(f"profile {prof.name} cannot run here:\n  " + "\n  ".join(problems))
     run_dir, fig_dir = sweep.run_dirs(run_id or prof.name, runs_root, figures_root)

@@ -217,7 +217,8 @@ def run_point(profile: Profile, point: Point, run_dir: Path, levels: list[int]) 
             g0 = time.perf_counter()
             res = asyncio.run(drive(url, reqs, c))
             gen_s = time.perf_counter() - g0
-            delta = scrape(url) - before
+            total = scrape(url)
+            delta = total - before
             rows = [{"point_id": pid, "k": point.k, "kv_cache_dtype": point.kv_cache_dtype,
                      "draft_kv_cache_dtype": point.draft_kv_cache_dtype,
                      "layout": point.layout.label, "prompt_format": point.prompt_format,
@@ -231,6 +232,7 @@ def run_point(profile: Profile, point: Point, run_dir: Path, levels: list[int]) 
                     "point": point.model_dump(mode="json"), "profile": profile.name,
                     "started_at": started, "engine_args": args, "env": env,
                     "command": " ".join(serve_command(args, 0)), "counters": delta.to_dict(),
+                    "server_counters_total": total.to_dict(),
                     "counters_from_steps": from_chunks.to_dict(),
                     "attribution_exact": (from_chunks.num_drafts == delta.num_drafts and
                                           from_chunks.accepted_per_pos == delta.accepted_per_pos),
@@ -239,4 +241,6 @@ def run_point(profile: Profile, point: Point, run_dir: Path, levels: list[int]) 
                     "versions": engine.versions(), "finished_at": time.time()}
             write_point(run_dir, pid, pd.DataFrame(rows), meta)
             out.append(meta)
+        # let the engine log its last stats interval before the server stops
+        time.sleep(float(env["VLLM_LOG_STATS_INTERVAL"]) + 1.5)
     return out

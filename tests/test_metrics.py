@@ -121,6 +121,22 @@ def test_request_counters_from_step_tokens():
     c = metrics.request_counters([1, 4, 0, 3, 1, 2], k=3)
     assert c == SpecCounters(4, 12, 3 + 2 + 0 + 1, (3, 2, 1))
     assert metrics.request_counters([1, 1, 1], k=0) == SpecCounters()
+    # a finished request (max_tokens or stop may cut its last round): that round is left out
+    assert metrics.request_counters([1, 4, 3, 1, 2], k=3, finished=True) == SpecCounters(
+        3, 9, 3 + 2 + 0, (2, 2, 1))
+    assert metrics.dropped_rounds([1, 4, 3, 1, 2], finished=True) == 1
+    assert metrics.dropped_rounds([1, 4, 3, 1, 2], finished=False) == 0
+    # finished right after prefill: no round to leave out
+    assert metrics.request_counters([0, 1], k=3, finished=True) == SpecCounters(0, 0, 0, (0, 0, 0))
+    assert metrics.dropped_rounds([0, 1], finished=True) == 0
+
+
+def test_attribution_of_per_request_counters():
+    eng = SpecCounters(10, 30, 14, (7, 5, 2))
+    assert metrics.attribution(eng, eng, 0) == "exact"
+    assert metrics.attribution(eng, SpecCounters(8, 24, 11, (5, 4, 2)), 2) == "consistent"
+    assert metrics.attribution(eng, SpecCounters(8, 24, 8, (3, 3, 2)), 2) == "mismatch"
+    assert metrics.attribution(eng, SpecCounters(9, 27, 14, (7, 5, 2)), 2) == "mismatch"
 
 
 def test_histogram_counts_steps_by_length():

@@ -41,8 +41,10 @@ def test_sweep_acceptance_is_consistent(suite):
         assert 1.0 <= al <= k + 1
         assert len(pp) == k and all(x >= y for x, y in zip(pp, pp[1:]))
         assert sum(pp) == pytest.approx(al - 1, abs=1e-9)
-        eng = r["counters"][pid]  # per-request counters add up to the engine's
-        assert eng["mean_acceptance_length"] == pytest.approx(al)
+        eng = r["counters"][pid]  # per-request counters account for the engine's
+        assert eng["attribution"] in ("exact", "consistent")
+        assert eng["num_drafts"] >= 1 and eng["mean_acceptance_length"] == pytest.approx(
+            al, rel=0.05)
         assert 0.0 <= r["match_rate"][pid] <= 1.0
     ks = {a["k"]: a["al"] for a in r["acceptance"].values()}
     assert ks[3] > 1.5, "the trained pair should accept drafts"

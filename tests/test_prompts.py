@@ -85,6 +85,7 @@ def test_every_set_here_has_a_provenance_naming_a_licence(path):
     assert prov.exists(), f"{path.name} needs {prov.name}"
     _, table = provenance_table(path.stem)
     assert table.get("licence", "").split(" ")[0] in LICENCES
+    assert hashlib.sha256(path.read_bytes()).hexdigest() in table.get("output sha256", "")
 
 
 def test_mtbench_content():

@@ -71,7 +71,8 @@ def test_interrupted_sweep_resumes_without_recomputing(rig_profile, tmp_path, fi
     for name, (digest, mtime) in done.items():  # nothing recomputed or rewritten
         p = run_dir / "points" / name
         assert (_digest(p), p.stat().st_mtime_ns) == (digest, mtime), name
-    metas = {m["point_id"]: m for m in map(json.loads, map(Path.read_text, (run_dir / "points").glob("*.json")))}
+    metas = {m["point_id"]: m for m in
+             map(json.loads, map(Path.read_text, (run_dir / "points").glob("[!.]*.json")))}
     ids = [p.id for p in sweep.expand(prof)]
     assert all(metas[i]["status"] == "ok" for i in ids)
     bad = [m for m in metas.values() if m["status"] == "error"]
@@ -84,9 +85,10 @@ def test_interrupted_sweep_resumes_without_recomputing(rig_profile, tmp_path, fi
         k = m["point"]["k"]
         c = m["counters"]
         assert c["accepted_per_pos"] == [c["num_drafts"]] + [0] * (k - 1)
-        assert m["attribution_exact"], pid
+        # every request ends at max_tokens: its last round is left out per request
+        assert m["attribution"] == "consistent", pid
         r = recs[recs.point_id == pid]
-        assert int(r.drafts.sum()) == c["num_drafts"]
+        assert int(r.drafts.sum()) == c["num_drafts"] - len(r)
     plain = recs[recs.point_id == ids[0]].set_index("prompt_id").output_token_ids
     for pid in ids[1:]:
         spec = recs[recs.point_id == pid].set_index("prompt_id").output_token_ids

@@ -30,7 +30,8 @@ def acceptance(records: pd.DataFrame, by: list[str] | None = None, *, n_boot: in
                                  tuple(int(x) for x in app.sum(axis=0)))
         ci = metrics.bootstrap_ci(drafts, app, n_boot=n_boot, seed=seed)
         row = dict(zip(["point_id", *(by or [])], key if isinstance(key, tuple) else (key,)))
-        row.update({c_: g[c_].iloc[0] for c_ in ["k", "draft_kv_cache_dtype", "repeat", *KEYS]})
+        row.update({c_: g[c_].iloc[0] for c_ in ["k", "draft_kv_cache_dtype", "repeat", *KEYS,
+                                                  "concurrency"] if c_ in g})
         row.update(
             n_requests=len(g), num_drafts=c.num_drafts, acceptance_rate=c.acceptance_rate,
             mean_acceptance_length=c.mean_acceptance_length,
@@ -54,10 +55,14 @@ def speed(points: pd.DataFrame) -> pd.DataFrame:
         ok[col] = ok[f"point.{col}"] if f"point.{col}" in ok else None
     ok["layout"] = ok.apply(_layout_label, axis=1)
     ok["mean_acceptance_length"] = ok.get("counters.mean_acceptance_length", np.nan)
-    base = ok[ok.k == 0].set_index(KEYS + ["repeat"]).throughput_tok_s
-    ok["baseline_tok_s"] = [base.get(tuple(r[KEYS + ["repeat"]]), np.nan) for _, r in ok.iterrows()]
+    # server mode: one point per concurrency level (offline points have none: -1)
+    ok["concurrency"] = ok.get("concurrency", pd.Series(np.nan, index=ok.index)).fillna(-1)
+    key = KEYS + ["repeat", "concurrency"]
+    base = ok[ok.k == 0].drop_duplicates(key).set_index(key).throughput_tok_s
+    ok["baseline_tok_s"] = [base.get(tuple(r[key]), np.nan) for _, r in ok.iterrows()]
     ok["speedup"] = ok.throughput_tok_s / ok.baseline_tok_s
-    cols = ["point_id", "k", "draft_kv_cache_dtype", "repeat", *KEYS, "throughput_tok_s",
+    cols = ["point_id", "k", "draft_kv_cache_dtype", "repeat", "concurrency", *KEYS,
+            "throughput_tok_s",
             "baseline_tok_s", "speedup", "mean_acceptance_length", "timings.engine_init_s",
             "timings.generate_s", "timings.harness_s", "wall_s"]
     return ok[[c for c in cols if c in ok]].sort_values(["layout", "kv_cache_dtype", "k"])
@@ -93,3 +98,27 @@ def histogram(records: pd.DataFrame) -> pd.DataFrame:
             rows.append({"point_id": pid, "k": k, "length": length, "steps": int(n),
                          "fraction": n / counts.sum() if counts.sum() else np.nan})
     return pd.DataFrame(rows)
+
+
+def load_curve(points: pd.DataFrame, records: pd.DataFrame) -> pd.DataFrame:
+    """Server-mode points: throughput, latency percentiles (TTFT, TPOT, inter-token) and AL
+    per (k, concurrency) and configuration."""
+    sv = points[(points.get("mode") == "server") & (points.status == "ok")] if len(points) \
+        and "mode" in points else pd.DataFrame()
+    if sv.empty or records.empty:
+        return pd.DataFrame(columns=["point_id", "k", "concurrency", "throughput_tok_s"])
+    sp = speed(sv).set_index("point_id")
+    rows = []
+    for pid, g in records[records.point_id.isin(sv.point_id)].groupby("point_id", sort=False):
+        itl = np.concatenate([np.asarray(x, dtype=float) for x in g.itl_s]) if "itl_s" in g \
+            else np.array([])
+        s = sp.loc[pid]
+        rows.append({"point_id": pid, "k": int(s.k), "concurrency": int(s.concurrency),
+                     **{c: s[c] for c in KEYS + ["draft_kv_cache_dtype"]},
+                     "throughput_tok_s": s.throughput_tok_s, "speedup": s.speedup,
+                     "mean_acceptance_length": s.mean_acceptance_length,
+                     "ttft_p50_s": g.ttft_s.median(), "ttft_p90_s": g.ttft_s.quantile(0.9),
+                     "tpot_p50_s": g.tpot_s.median(), "tpot_p90_s": g.tpot_s.quantile(0.9),
+                     "itl_p50_s": float(np.median(itl)) if itl.size else np.nan,
+                     "itl_p90_s": float(np.quantile(itl, 0.9)) if itl.size else np.nan})
+    return pd.DataFrame(rows).sort_values(["k", "concurrency"], ignore_index=True)

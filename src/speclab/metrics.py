@@ -179,15 +179,19 @@ def parse_log(text: str) -> list[dict]:
 
 
 # --------------------------------------------------------------------- per request
-def request_counters(step_tokens: Sequence[int], k: int) -> SpecCounters:
+def request_counters(step_tokens: Sequence[int], k: int, *, finished: bool = False
+                     ) -> SpecCounters:
     """Counters of one request from the tokens it gained at each engine step.
 
     The first step that emits tokens is the prefill (no draft); every later step that emits
     n tokens verified k drafts and accepted n-1 of them (chain drafting: positions 0..n-2).
-    Steps that emit nothing (chunked prefill, scheduling gaps) are skipped. The last step
-    can be cut short by max_tokens/stop, so the sum over requests may fall short of the
-    engine's own counters; callers compare the two (see `sweep`)."""
+    Steps that emit nothing (chunked prefill, scheduling gaps) are skipped. finished: the
+    request ended (max_tokens or a stop token), which can cut its last round short: vLLM
+    counts the whole round, the request keeps fewer tokens. That round is left out
+    (`dropped_rounds` counts it; `attribution` checks the rest against the engine)."""
     emitted = [n for n in step_tokens if n > 0][1:]
+    if finished:
+        emitted = emitted[:-1]
     if k <= 0:
         return SpecCounters()
     per_pos = [0] * k
@@ -195,6 +199,25 @@ def request_counters(step_tokens: Sequence[int], k: int) -> SpecCounters:
         for i in range(min(n - 1, k)):
             per_pos[i] += 1
     return SpecCounters(len(emitted), k * len(emitted), sum(per_pos), tuple(per_pos))
+
+
+def dropped_rounds(step_tokens: Sequence[int], finished: bool) -> int:
+    """1 if `request_counters(..., finished=finished)` leaves out a final verify round."""
+    return int(finished and sum(n > 0 for n in step_tokens) >= 2)
+
+
+def attribution(engine: SpecCounters, requests: SpecCounters, n_dropped: int) -> str:
+    """How per-request counters relate to the engine's: "exact" (equal), "consistent" (the
+    difference is what the n_dropped left-out final rounds can account for: one draft each,
+    at most one acceptance per position each) or "mismatch" (steps merged or lost: the
+    per-request attribution cannot be trusted)."""
+    if engine == requests:
+        return "exact"
+    k = max(len(engine.accepted_per_pos), len(requests.accepted_per_pos))
+    diff = engine - requests
+    ok = (diff.num_drafts == n_dropped and diff.num_draft_tokens == k * n_dropped
+          and all(0 <= d <= n_dropped for d in diff.accepted_per_pos))
+    return "consistent" if ok else "mismatch"
 
 
 def acceptance_length_histogram(step_token_lists: Iterable[Sequence[int]], k: int) -> np.ndarray:

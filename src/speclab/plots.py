@@ -33,9 +33,10 @@ def _no_results(title: str) -> plt.Figure:
     return fig
 
 
-def _series(df: pd.DataFrame) -> list[tuple[str, pd.DataFrame]]:
-    keys = [c for c in ("layout", "kv_cache_dtype", "draft_kv_cache_dtype", "prompt_format")
-            if c in df and df[c].nunique(dropna=False) > 1]
+def _series(df: pd.DataFrame, skip: tuple[str, ...] = ()) -> list[tuple[str, pd.DataFrame]]:
+    keys = [c for c in ("layout", "kv_cache_dtype", "draft_kv_cache_dtype", "prompt_format",
+                        "concurrency")
+            if c not in skip and c in df and df[c].nunique(dropna=False) > 1]
     if not keys:
         return [("", df)]
     return [(" ".join(map(str, k if isinstance(k, tuple) else (k,))), g)
@@ -174,6 +175,37 @@ def parity_overview(summary: pd.DataFrame, cmp: pd.DataFrame, near_tie: float,
     ax2.set(xlabel="first divergence (output token index)", title="Where outputs diverge")
     ax3.set(xlabel="reference top-1 - top-2 logprob at divergence",
             title="Margin at divergence (orange: near-tie)")
+    fig.suptitle(title)
+    fig.tight_layout()
+    return fig
+
+
+def load_vs_concurrency(curve: pd.DataFrame, title: str = "") -> plt.Figure:
+    """Server mode, one line per k (k=0: no speculation): output throughput, median TTFT,
+    median TPOT (p90 dotted) and AL from /metrics against the number of concurrent requests."""
+    if curve.empty:
+        return _no_results(title)
+    fig, axes = plt.subplots(1, 4, figsize=(17, 4))
+    for label, g in _series(curve, skip=("concurrency", "draft_kv_cache_dtype")):
+        for k, gk in g.groupby("k"):
+            gk = gk.sort_values("concurrency")
+            name = " ".join(x for x in (f"k={k}", label) if x)
+            line = axes[0].plot(gk.concurrency, gk.throughput_tok_s, marker="o", label=name)[0]
+            c = line.get_color()
+            axes[1].plot(gk.concurrency, gk.ttft_p50_s * 1e3, marker="o", c=c, label=name)
+            axes[2].plot(gk.concurrency, gk.tpot_p50_s * 1e3, marker="o", c=c, label=name)
+            axes[2].plot(gk.concurrency, gk.tpot_p90_s * 1e3, ls=":", c=c)
+            if k > 0:
+                axes[3].plot(gk.concurrency, gk.mean_acceptance_length, marker="o", c=c,
+                             label=name)
+    for ax, (ylabel, name) in zip(axes, [("output tokens / s", "Throughput"),
+                                         ("ms", "TTFT (median)"),
+                                         ("ms", "TPOT (median; p90 dotted)"),
+                                         ("AL (bonus incl.)", "Acceptance length")]):
+        ax.set(xlabel="concurrent requests", ylabel=ylabel, title=name)
+        ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+        if ax.has_data():
+            ax.legend(fontsize=8)
     fig.suptitle(title)
     fig.tight_layout()
     return fig

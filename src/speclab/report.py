@@ -25,7 +25,7 @@ from speclab.engine import versions
 
 REPO = profiles.REPO
 NOTEBOOK_DIR = REPO / "notebooks"
-SUITE = ("00_overlay", "01_sweep", "02_acceptance", "03_parity")
+SUITE = ("00_overlay", "01_sweep", "02_acceptance", "03_parity", "04_explorer")
 MIME = "application/vnd.speclab.record+json"
 
 
@@ -84,16 +84,19 @@ def run_suite(profile: str, *, run_id: str | None = None, notebooks=SUITE,
     run_dir, fig_dir = sweep.run_dirs(run_id or prof.name, runs_root, figures_root)
     nb_out = run_dir / "notebooks"
     nb_out.mkdir(parents=True, exist_ok=True)
+    # headless: the explorer renders its default slice as a static figure
     params = {"profile": profile, "run_dir": str(run_dir), "figures_dir": str(fig_dir),
-              **(parameters or {})}
+              "interactive": False, **(parameters or {})}
     started = time.time()
     timings = {}
     for name in notebooks:
         t0 = time.time()
         log(f"[speclab] executing {name} ...")
-        pm.execute_notebook(NOTEBOOK_DIR / f"{name}.ipynb", nb_out / f"{name}.ipynb",
-                            parameters=params, cwd=str(NOTEBOOK_DIR), progress_bar=False,
-                            kernel_name="python3")
+        src = NOTEBOOK_DIR / f"{name}.ipynb"
+        declared = pm.inspect_notebook(str(src))  # pass each notebook only what it declares
+        pm.execute_notebook(src, nb_out / f"{name}.ipynb",
+                            parameters={k: v for k, v in params.items() if k in declared},
+                            cwd=str(NOTEBOOK_DIR), progress_bar=False, kernel_name="python3")
         timings[name] = round(time.time() - t0, 1)
     prov = provenance(prof, profiles.resolve_path(profile), notebooks, params, timings,
                       time.time() - started)

@@ -139,7 +139,7 @@ def request_body(p: prompts.Prompt, fmt: str, max_tokens: int, temperature: floa
 
 async def _one(client: httpx.AsyncClient, url: str, endpoint: str, body: dict) -> dict:
     t0 = time.perf_counter()
-    times, chunk_tokens, out_ids, usage = [], [], [], None
+    times, chunk_tokens, out_ids, usage, finish = [], [], [], None, None
     async with client.stream("POST", url + endpoint, json=body) as r:
         r.raise_for_status()
         async for line in r.aiter_lines():
@@ -148,6 +148,7 @@ async def _one(client: httpx.AsyncClient, url: str, endpoint: str, body: dict) -
             d = json.loads(line[6:])
             usage = d.get("usage") or usage
             for ch in d.get("choices", []):
+                finish = ch.get("finish_reason") or finish
                 toks = ch.get("token_ids") or []
                 text = ch.get("text") or (ch.get("delta") or {}).get("content")
                 if toks or text:
@@ -155,7 +156,7 @@ async def _one(client: httpx.AsyncClient, url: str, endpoint: str, body: dict) -
                     chunk_tokens.append(len(toks))
                     out_ids += toks
     n = usage["completion_tokens"] if usage else len(out_ids)
-    return {"output_token_ids": out_ids, "n_output": n,
+    return {"output_token_ids": out_ids, "n_output": n, "finish_reason": finish,
             "prompt_len": usage["prompt_tokens"] if usage else None,
             "step_tokens": chunk_tokens, "step_times": times,
             "latency_s": time.perf_counter() - t0, "ttft_s": times[0] if times else None,
@@ -175,8 +176,8 @@ async def drive(url: str, requests: list[tuple[str, dict]], concurrency: int) ->
 
 def _chunk_counters(r: dict, k: int, raw: bool = False) -> dict:
     """Per-request counters from streamed chunks (tokens per chunk ~ tokens per engine step;
-    exact only when no two steps share a chunk: compare with /metrics, see attribution_exact)."""
-    c = metrics.request_counters(r["step_tokens"], k)
+    exact only when no two steps share a chunk: compare with /metrics, see `attribution`)."""
+    c = metrics.request_counters(r["step_tokens"], k, finished=r.get("finish_reason") is not None)
     if raw:
         return {"num_drafts": c.num_drafts, "num_draft_tokens": c.num_draft_tokens,
                 "num_accepted_tokens": c.num_accepted_tokens, "accepted_per_pos": c.accepted_per_pos}
@@ -234,8 +235,9 @@ def run_point(profile: Profile, point: Point, run_dir: Path, levels: list[int]) 
                     "command": " ".join(serve_command(args, 0)), "counters": delta.to_dict(),
                     "server_counters_total": total.to_dict(),
                     "counters_from_steps": from_chunks.to_dict(),
-                    "attribution_exact": (from_chunks.num_drafts == delta.num_drafts and
-                                          from_chunks.accepted_per_pos == delta.accepted_per_pos),
+                    "attribution": metrics.attribution(delta, from_chunks, sum(
+                        metrics.dropped_rounds(r["step_tokens"], r.get("finish_reason") is not None)
+                        for r in res) if point.k else 0),
                     "n_requests": len(rows), "output_tokens": n_out,
                     "throughput_tok_s": n_out / gen_s, "timings": {"generate_s": gen_s},
                     "versions": engine.versions(), "finished_at": time.time()}

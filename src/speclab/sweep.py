@@ -5,6 +5,7 @@ Run folder layout (`run_dir`):
     points/<point-id>.parquet   per-request records (written first, atomically)
     points/<point-id>.json      point metadata and status (written last: the completion mark)
     logs/<point-id>.log         the worker's stdout/stderr
+    logs/<point-id>.spec.json   the worker's input (`python -m speclab.worker` reruns it)
 """
 
 from __future__ import annotations
@@ -134,9 +135,10 @@ def profile_for(run_dir: Path, profile: str, overrides: dict | None, execute: bo
     return profiles.load(profile, overrides)
 
 
-def results_for(run_dir: Path, points: Iterable[Point]) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """`load_results` restricted to the given points."""
-    ids = {p.id for p in points}
+def results_for(run_dir: Path, points: Iterable[Point | str]
+                ) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """`load_results` restricted to the given points (or point ids)."""
+    ids = {p if isinstance(p, str) else p.id for p in points}
     pts, recs = load_results(run_dir)
     if len(pts):
         pts = pts[pts.point_id.isin(ids)]
@@ -148,7 +150,7 @@ def results_for(run_dir: Path, points: Iterable[Point]) -> tuple[pd.DataFrame, p
 def load_results(run_dir: Path) -> tuple[pd.DataFrame, pd.DataFrame]:
     """(points, records) of a run: one row per point (metadata flattened) and one per request."""
     metas, recs = [], []
-    for meta_path in sorted((Path(run_dir) / "points").glob("*.json")):
+    for meta_path in sorted((Path(run_dir) / "points").glob("[!.]*.json")):
         meta = json.loads(meta_path.read_text())
         metas.append(meta)
         rec = meta_path.with_suffix(".parquet")
@@ -209,7 +211,7 @@ def run_point(profile: Profile, point: Point, run_dir: Path) -> dict:
     run_dir = Path(run_dir)
     spec = {"profile": profile.model_dump(mode="json"), "point": point.model_dump(mode="json"),
             "run_dir": str(run_dir)}
-    spec_path = run_dir / "points" / f".{point.id}.spec.json"
+    spec_path = run_dir / "logs" / f"{point.id}.spec.json"  # kept: reruns the point by hand
     atomic_write(spec_path, json.dumps(spec))
     log_path = run_dir / "logs" / f"{point.id}.log"
     env = {**os.environ, **profile.env, **point.env, "PYTHONUNBUFFERED": "1"}
@@ -227,7 +229,6 @@ def run_point(profile: Profile, point: Point, run_dir: Path) -> dict:
         except BaseException:
             _kill_group(proc)
             raise
-    spec_path.unlink(missing_ok=True)
     meta = read_meta(run_dir, point.id)
     fresh = meta is not None and meta.get("started_at", 0) >= t0 - 1
     if fresh and (error is None or meta["status"] == "error"):

@@ -26,7 +26,8 @@ def records_frame(profile: Profile, point: Point, plist, prompt_ids, traces) -> 
     and (plain runs) the top-1/top-2 logprob margin at each position."""
     rows = []
     for p, ids, tr in zip(plist, prompt_ids, traces):
-        c = metrics.request_counters(tr["step_tokens"], point.k)
+        c = metrics.request_counters(tr["step_tokens"], point.k,
+                                     finished=tr.get("finish_reason") is not None)
         out = tr.get("output_token_ids", [])
         times = tr["step_times"]
         lps = tr.get("logprobs") or []
@@ -104,8 +105,9 @@ def main(spec_path: str) -> int:
         n_out = int(records.n_output.sum())
         meta.update(
             status="ok", counters=delta.to_dict(), counters_from_steps=from_steps.to_dict(),
-            attribution_exact=(from_steps.num_drafts == delta.num_drafts
-                               and from_steps.accepted_per_pos == delta.accepted_per_pos),
+            attribution=metrics.attribution(delta, from_steps, sum(
+                metrics.dropped_rounds(tr["step_tokens"], tr.get("finish_reason") is not None)
+                for tr in traces) if point.k else 0),
             n_requests=len(records), output_tokens=n_out,
             throughput_tok_s=n_out / t["generate_s"], versions=engine.versions(),
         )

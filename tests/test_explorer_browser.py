@@ -97,6 +97,7 @@ def _children(pid: int) -> list:
 
 
 def test_explorer_redraws_when_a_control_changes(lab):
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
     from playwright.sync_api import expect, sync_playwright
 
     url, token, server = lab
@@ -104,15 +105,19 @@ def test_explorer_redraws_when_a_control_changes(lab):
     ARTIFACTS.mkdir(parents=True)
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
+        page = browser.new_page(viewport={"width": 1600, "height": 1100})
         try:
-            page = browser.new_page(viewport={"width": 1600, "height": 1100})
             page.goto(f"{url}/lab/tree/explorer.ipynb?token={token}&reset")
             page.locator(".jp-Notebook").first.wait_for(timeout=60_000)
+            try:  # JupyterLab may ask which kernel to start: the notebook's own
+                page.get_by_role("button", name="Select", exact=True).click(timeout=10_000)
+            except PlaywrightTimeout:
+                pass
             page.locator(".lm-MenuBar-itemLabel", has_text="Run").first.click()
             page.locator(".lm-Menu-itemLabel", has_text="Run All Cells").first.click()
 
             title = page.locator(".speclab-slice")
-            title.wait_for(timeout=180_000)
+            title.wait_for(timeout=120_000)
             image = page.locator("img.widget-image")
             expect(image).to_have_attribute("src", re.compile("^blob:"))
             assert server.poll() is None
@@ -137,5 +142,8 @@ def test_explorer_redraws_when_a_control_changes(lab):
             page.wait_for_timeout(500)
             assert image.screenshot() != second_png
             page.screenshot(path=ARTIFACTS / "03_two_runs.png", full_page=True)
+        except Exception:
+            page.screenshot(path=ARTIFACTS / "failure.png", full_page=True)
+            raise
         finally:
             browser.close()

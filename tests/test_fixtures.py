@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 
 from speclab import fixtures
 from speclab import prompts as prompt_sets
+from speclab import prompts as speclab_prompts
 from speclab.fixtures import cache, corpus, eagle3_draft, llama_target, prompts, rigs, tokenizer
 
 torch.set_num_threads(2)
@@ -94,6 +95,10 @@ def test_tokenizer_special_ids_bos_roundtrip_and_chat_template(tok_dir):
     chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "def f(a):"}]
     rendered = tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
     assert rendered == "<s>### system\nBe brief.\n\n### user\ndef f(a):\n\n### assistant\n"
+    # what the sweep feeds vLLM for prompt_format=chat: the rendered template's token ids
+    p = speclab_prompts.Prompt(id="x", category="c", messages=tuple(chat))
+    assert speclab_prompts.to_token_ids([p], tok, "chat") == [
+        tok.encode(rendered, add_special_tokens=False)]
 
 
 # ------------------------------------------------------------------ cache

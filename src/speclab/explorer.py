@@ -275,9 +275,10 @@ def explorer(run_dirs: Sequence[str | Path], *, selected: Sequence[str] | None =
             return
         sl = Slice(tuple(runs.value), k.value, {d: dd.value for d, dd in dims.items()})
         t = tables(points, records, sl)
-        title.value = f"<b class='speclab-slice'>{html.escape(sl.title())}</b>"
-        text.value = "<pre class='speclab-summary'>" + html.escape(summary(t, sl)) + "</pre>"
+        # the title last: it tells a watcher (and the browser test) the redraw is complete
         image.value = png(figure(t, sl, draft_cost))
+        text.value = "<pre class='speclab-summary'>" + html.escape(summary(t, sl)) + "</pre>"
+        title.value = f"<b class='speclab-slice'>{html.escape(sl.title())}</b>"
 
     runs.observe(refresh_options, "value")
     for dd in [k, *dims.values()]:

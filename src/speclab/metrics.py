@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import re
+import warnings
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
@@ -253,11 +254,13 @@ def bootstrap_ci(
         prev = np.concatenate([d[:, None], a[:, :-1]], axis=1)
         cond = a / prev
     q = [(1 - level) / 2 * 100, (1 + level) / 2 * 100]
-    return {
-        "mean_acceptance_length": np.nanpercentile(al, q),
-        "per_position": np.nanpercentile(pp, q, axis=0),
-        "conditional": np.nanpercentile(cond, q, axis=0),
-    }
+    with warnings.catch_warnings():  # a position never reached has no rate: NaN bounds
+        warnings.simplefilter("ignore", RuntimeWarning)
+        return {
+            "mean_acceptance_length": np.nanpercentile(al, q),
+            "per_position": np.nanpercentile(pp, q, axis=0),
+            "conditional": np.nanpercentile(cond, q, axis=0),
+        }
 
 
 # --------------------------------------------------------------------- speedup bounds

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -84,7 +85,8 @@ def to_token_ids(prompts: list[Prompt], tokenizer, fmt: Literal["raw", "chat"]) 
             out.append(list(p.prompt_token_ids))
         elif fmt == "chat":
             ids = tokenizer.apply_chat_template(p.turns(), add_generation_prompt=True, tokenize=True)
-            out.append(list(ids["input_ids"] if isinstance(ids, dict) else ids))
+            # transformers 5 returns a BatchEncoding (a Mapping, not a dict) by default
+            out.append(list(ids["input_ids"] if isinstance(ids, Mapping) else ids))
         else:
             out.append(list(tokenizer.encode(p.raw_text())))
     return out

@@ -1,5 +1,6 @@
 import math
 
+import numpy as np
 import pandas as pd
 import pytest
 
@@ -38,6 +39,17 @@ def test_compare_classifies_near_ties_and_substantive_divergences():
     assert s["match_lo"] < 1 / 3 < s["match_hi"]
     lines = parity.findings(pd.DataFrame([{"arm": "x", "question": "q", "status": "ok", **s}]), 0.05)
     assert "1 SUBSTANTIVE" in lines[0] and "1/3 prompts identical" in lines[0]
+
+
+def test_margins_count_only_where_the_logprob_pass_shared_the_prefix():
+    # the reference's margins come from a second pass that left its output after position 1
+    lp = {"margin": [2.0, 0.01, 0.01, 0.01], "runner_up": [0, 7, 7, 7],
+          "logprob_pass_divergence": 1}
+    ref = pd.DataFrame([{**_rec("a", [1, 2, 3, 4]), **lp}, {**_rec("b", [1, 2, 3, 4]), **lp}])
+    cand = pd.DataFrame([_rec("a", [1, 7, 3, 4]), _rec("b", [1, 2, 7, 4])])
+    cmp = parity.compare(ref, cand, near_tie=0.05).set_index("prompt_id")
+    assert cmp.loc["a", "kind"] == "near-tie"  # position 1: same prefix in both passes
+    assert cmp.loc["b", "kind"] == "substantive" and np.isnan(cmp.loc["b", "margin"])
 
 
 def test_wilson_interval():

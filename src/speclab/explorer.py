@@ -100,10 +100,16 @@ def options(records: pd.DataFrame, runs: Sequence[str]) -> dict[str, list]:
 
 
 def default_slice(records: pd.DataFrame, runs: Sequence[str]) -> Slice:
-    """The first value of every dimension, and the largest k."""
-    opts = options(records, runs)
-    return Slice(tuple(runs), max(opts["k"]) if opts["k"] else None,
-                 {d: (opts[d][0] if opts[d] else None) for d in DIMS})
+    """The configuration with the most speculative k values in the given runs (the profile's
+    grid rather than a one-k side arm), all categories, its largest k."""
+    r = records[records.run.isin(runs) & (records.k > 0)] if len(records) else records
+    if r.empty:
+        return Slice(tuple(runs), None, {d: None for d in DIMS})
+    keys = [d for d in DIMS if d != "category"]
+    r = r.assign(**{d: r[d].astype(str) for d in keys})
+    by = r.groupby(keys).agg(ks=("k", "nunique"), n=("k", "size"), kmax=("k", "max"))
+    best = by.sort_values(["ks", "n"], ascending=False).iloc[0]
+    return Slice(tuple(runs), int(best.kmax), {**dict(zip(keys, best.name)), "category": ALL})
 
 
 @dataclass
@@ -189,7 +195,7 @@ def figure(t: Tables, sl: Slice, draft_cost: float | None = None) -> plt.Figure:
     ax_al.plot(range(kmax + 1), [k + 1 for k in range(kmax + 1)], ls=":", c="grey",
                label="ceiling k+1")
     ax_pos.set(title=f"Per-position acceptance, k={sl.k}", xlabel="draft position",
-               ylabel="acceptance", ylim=(0, 1.05))
+               ylabel="acceptance", ylim=(0, 1.05), xlim=(0.5, (sl.k or 1) + 0.5))
     ax_al.set(title="Mean acceptance length", xlabel="k", ylabel="AL (bonus incl.)")
     ax_tp.set(title="Throughput (whole point)", xlabel="k (0: no speculation)",
               ylabel="output tokens / s")
@@ -260,13 +266,17 @@ def explorer(run_dirs: Sequence[str | Path], *, selected: Sequence[str] | None =
     busy = {"on": False}
 
     def refresh_options(*_):
+        """New runs picked: offer their values, keep each still-offered selection, else
+        take the default slice's."""
         busy["on"] = True
         opts = options(records, runs.value)
+        default = default_slice(records, runs.value)
         for d, dd in [("k", k), *dims.items()]:
             old = dd.value
             dd.options = opts[d]
+            fallback = default.k if d == "k" else default.values[d]
             dd.value = old if old in opts[d] else (
-                (max(opts[d]) if d == "k" else opts[d][0]) if opts[d] else None)
+                fallback if fallback in opts[d] else (opts[d][0] if opts[d] else None))
         busy["on"] = False
         redraw()
 

@@ -45,6 +45,10 @@ def compare(ref: pd.DataFrame, cand: pd.DataFrame, *, near_tie: float = 0.05) ->
         ref_ids, cand_ids = list(r.output_token_ids), list(o.output_token_ids)
         j = first_divergence(ref_ids, cand_ids)
         margins = list(r.margin) if r.margin is not None else []
+        # margins come from the reference's logprob pass: valid up to where it left the output
+        lp_div = r.get("logprob_pass_divergence")
+        if lp_div is not None and not pd.isna(lp_div) and j is not None and j > lp_div:
+            margins = margins[:int(lp_div) + 1]
         margin = margins[j] if j is not None and j < len(margins) else math.nan
         runner_up = list(r.runner_up)[j] if j is not None and j < len(margins) else -1
         took = j is not None and j < len(cand_ids) and cand_ids[j] == runner_up

@@ -16,14 +16,14 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from speclab import engine, metrics, prompts
+from speclab import engine, metrics, parity, prompts
 from speclab.profiles import Profile, prompt_file, resolve_model
 from speclab.sweep import Point, write_point
 
 
 def records_frame(profile: Profile, point: Point, plist, prompt_ids, traces) -> pd.DataFrame:
     """One row per request: outputs, per-step token counts and times, per-request counters,
-    and (plain runs) the top-1/top-2 logprob margin at each position."""
+    and (plain runs) the top-1/top-2 logprob margin at each position (from an untimed pass)."""
     rows = []
     for p, ids, tr in zip(plist, prompt_ids, traces):
         c = metrics.request_counters(tr["step_tokens"], point.k,
@@ -43,6 +43,9 @@ def records_frame(profile: Profile, point: Point, plist, prompt_ids, traces) -> 
             "tpot_s": (times[-1] - times[0]) / (len(out) - 1) if len(out) > 1 else None,
             "drafts": c.num_drafts, "draft_tokens": c.num_draft_tokens,
             "accepted": c.num_accepted_tokens, "accepted_per_pos": list(c.accepted_per_pos),
+            # margins come from a second pass; where it diverged from this output (None:
+            # never), later margins belong to another sequence
+            "logprob_pass_divergence": tr.get("logprob_pass_divergence"),
             "margin": [e[0][1] - e[1][1] if len(e) > 1 else np.inf for e in lps],
             "runner_up": [e[1][0] if len(e) > 1 else -1 for e in lps],
         })
@@ -80,15 +83,20 @@ def main(spec_path: str) -> int:
             h1 = time.perf_counter()
             tok = None if profile.skip_tokenizer_init else llm.get_tokenizer()
             prompt_ids = prompts.to_token_ids(plist, tok, point.prompt_format)
-            sp = SamplingParams(temperature=profile.temperature, max_tokens=profile.max_tokens,
-                                ignore_eos=profile.ignore_eos, logprobs=point.logprobs or None,
-                                seed=profile.seed, detokenize=not profile.skip_tokenizer_init)
+            sp_args = dict(temperature=profile.temperature, max_tokens=profile.max_tokens,
+                           ignore_eos=profile.ignore_eos, seed=profile.seed,
+                           detokenize=not profile.skip_tokenizer_init)
+            sp = SamplingParams(**sp_args)
             t["harness_s"] += time.perf_counter() - h1
             if profile.warmup:
-                # a prompt outside the set (reversed), so no measured request hits its prefix
+                # The measured batch's shapes and sampling path (logprobs included: a first
+                # pass that compiles them once cost the tiny-cpu plain point 3x its time), on
+                # reversed prompts so that no measured request hits a cached prefix.
                 w0 = time.perf_counter()
-                llm.generate([{"prompt_token_ids": prompt_ids[0][::-1]}],
-                             SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)
+                llm.generate([{"prompt_token_ids": ids[::-1]} for ids in prompt_ids],
+                             SamplingParams(max_tokens=4, temperature=0.0,
+                                            logprobs=point.logprobs or None),
+                             use_tqdm=False)
                 t["warmup_s"] = time.perf_counter() - w0
             h2 = time.perf_counter()
             before = metrics.from_snapshot(llm.get_metrics())
@@ -98,6 +106,18 @@ def main(spec_path: str) -> int:
             t["generate_s"] = time.perf_counter() - g0
             h3 = time.perf_counter()
             delta = metrics.from_snapshot(llm.get_metrics()) - before
+            if point.logprobs:
+                # margins for the parity analysis from a second, untimed pass: logprobs cost
+                # (a third of the tiny-cpu plain point's time) stays out of the baseline
+                l0 = time.perf_counter()
+                with_lp = engine.generate_stepwise(
+                    llm, prompt_ids, SamplingParams(**sp_args, logprobs=point.logprobs),
+                    point.concurrency)
+                t["logprob_pass_s"] = time.perf_counter() - l0
+                for tr, lp in zip(traces, with_lp):
+                    tr["logprobs"] = lp["logprobs"]
+                    tr["logprob_pass_divergence"] = parity.first_divergence(
+                        tr["output_token_ids"], lp["output_token_ids"])
         records = records_frame(profile, point, plist, prompt_ids, traces)
         from_steps = sum((metrics.SpecCounters(d, dt, a, tuple(app)) for d, dt, a, app in zip(
             records.drafts, records.draft_tokens, records.accepted, records.accepted_per_pos)),

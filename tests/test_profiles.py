@@ -78,6 +78,8 @@ def test_profile_check_prints_engine_args_without_loading_models():
                                           "model": "ManiacLabs/DeepSeek-V4-Flash-EAGLE3.1",
                                           "kv_cache_dtype": "auto"}
     assert args["gpu_memory_utilization"] == 0.6 and args["max_model_len"] == 8192
+    # chat prompts through vLLM's own DeepSeek-V4 encoding (vllm/tokenizers/deepseek_v4.py)
+    assert args["tokenizer_mode"] == "deepseek_v4"
     assert "needs 4 GPUs" in out.stdout
     strict = subprocess.run([sys.executable, "-m", "speclab", "profile", "check", "v4flash-4xb200",
                              "--strict"], capture_output=True, text=True)

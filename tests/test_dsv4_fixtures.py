@@ -18,10 +18,10 @@ import torch
 from speclab.fixtures import dsv4_reference as R
 from speclab.fixtures import dsv4_rigs as RG
 from speclab.fixtures import dsv4_target as T
+from vllm022 import vllm022_tree  # noqa: F401  (session fixture)
 
 torch.set_num_threads(2)
 
-V22_SRC = Path("/tmp/v22src/vllm")  # vLLM 0.22.0 sources, when unpacked on this machine
 
 
 def _sha(path: Path) -> str:
@@ -109,16 +109,15 @@ def test_checkpoint_layout_matches_vllm022_params(built):
     assert "layers.0.attn.compressor.ape" not in stored  # layer 0 is sliding-window only
 
 
-@pytest.mark.skipif(not (V22_SRC / "models/deepseek_v4/nvidia/model.py").is_file(),
-                    reason="vLLM 0.22.0 sources not unpacked at /tmp/v22src")
-def test_name_mapping_against_vllm022_source(built):
+def test_name_mapping_against_vllm022_source(built, vllm022_tree):  # noqa: F811
     """Run vLLM 0.22's own `_make_deepseek_v4_weights_mapper` and `load_weights` stacked
     mapping (extracted from its source) over the checkpoint names."""
-    src = (V22_SRC / "models/deepseek_v4/nvidia/model.py").read_text()
+    v22 = vllm022_tree / "vllm"
+    src = (v22 / "models/deepseek_v4/nvidia/model.py").read_text()
     tree = ast.parse(src)
     fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef)
               and n.name == "_make_deepseek_v4_weights_mapper")
-    utils_src = (V22_SRC / "model_executor/models/utils.py").read_text()
+    utils_src = (v22 / "model_executor/models/utils.py").read_text()
     wm = next(n for n in ast.parse(utils_src).body
               if isinstance(n, ast.ClassDef) and n.name == "WeightsMapper")
     ns: dict = {"re": re}

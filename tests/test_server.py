@@ -95,3 +95,14 @@ def test_sweep_notebook_in_server_mode(profile, tmp_path):
     assert all(pid.endswith(("_serve-c1", "_serve-c2")) for pid in r["throughput"])
     assert {"load_vs_concurrency.png", "al_speed_vs_k.png"} <= {
         p.name for p in (figs / "serve").iterdir()}
+
+
+def test_run_async_works_inside_a_running_event_loop():
+    async def answer():
+        return 42
+
+    async def notebook_cell():  # what a Jupyter kernel looks like to the code it runs
+        return server.run_async(answer())
+
+    assert server.run_async(answer()) == 42
+    assert asyncio.run(notebook_cell()) == 42

@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
@@ -164,6 +165,20 @@ async def _one(client: httpx.AsyncClient, url: str, endpoint: str, body: dict) -
             "itl_s": [b - a for a, b in zip(times, times[1:])]}
 
 
+def run_async(coro):
+    """asyncio.run, also where an event loop already runs (a Jupyter kernel): then in a
+    thread of its own."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    ex = ThreadPoolExecutor(1)
+    try:
+        return ex.submit(asyncio.run, coro).result()
+    finally:
+        ex.shutdown(wait=False, cancel_futures=True)
+
+
 async def drive(url: str, requests: list[tuple[str, dict]], concurrency: int) -> list[dict]:
     """Send every (endpoint, body) with at most `concurrency` in flight; results in order."""
     sem = asyncio.Semaphore(concurrency)
@@ -211,12 +226,12 @@ def run_point(profile: Profile, point: Point, run_dir: Path, levels: list[int]) 
     started = time.time()
     with running_server(args, env, log_path, startup_timeout=profile.timeout_s) as url:
         warm = request_body(plist[0], point.prompt_format, 4, 0.0, True)
-        asyncio.run(drive(url, [warm], 1))
+        run_async(drive(url, [warm], 1))
         for c in todo:
             pid = level_id(point, c)
             before = scrape(url)
             g0 = time.perf_counter()
-            res = asyncio.run(drive(url, reqs, c))
+            res = run_async(drive(url, reqs, c))
             gen_s = time.perf_counter() - g0
             total = scrape(url)
             delta = total - before

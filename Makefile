@@ -39,7 +39,8 @@ test: setup $(CHROMIUM)
 	  exit $$rc
 
 lab: setup
-	$(VENV)/bin/jupyter lab --ServerApp.root_dir=$(CURDIR) notebooks/04_explorer.ipynb
+	$(VENV)/bin/jupyter lab --ServerApp.root_dir=$(CURDIR) $(if $(SUDO),,--allow-root) \
+	  notebooks/04_explorer.ipynb
 
 clean-venv:
 	rm -rf $(VENV)

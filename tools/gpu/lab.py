@@ -50,9 +50,13 @@ T = "tools/gpu"
 FIXTURES = ["tiny-dsv4", "tiny-dsv4-eagle3", "rig-dsv4", "rig-dsv4-eagle3", "dial-dsv4",
             "dial-dsv4-eagle3", "neartie-dsv4", "neartie-dsv4-eagle3"]
 TP1 = "*_tp1_*"
-# Priority order. Proof of the overlay first (stock error, exact rig counters, sanity of plain
+# Priority order. First the kernel check behind the broken small-step decode (seconds; see
+# data/runs/h200-20261130.md), then proof of the overlay (stock error, exact rig counters, sanity of plain
 # decoding against the transformers reference, aux states), then the acceptance sweep, the
 # parity arms, server mode, compiled mode, the two-GPU arms and the cost benchmark.
+MHC = f"h200-mhc-check-{DATE}"
+job("mhc-check", 1, 240, [PY, f"{T}/mhc_check.py", "--out", f"data/runs/{MHC}/mhc_check.json"],
+    [MHC])
 job("rig", 1, 600, sweep("tiny-dsv4-rig", RIG), [RIG])
 job("stock-error", 1, 300, sweep("tiny-dsv4-rig", f"{RIG}-stock", "--only", "k3_*", "--override",
                                  '{"env": {"DSV4_EAGLE3_OVERLAY": "off"}, "overlay": "off"}'),

@@ -141,7 +141,10 @@ def provenance(prof, profile_path: Path, notebooks, params, timings, wall_s) -> 
         "command": " ".join(shlex.quote(a) for a in sys.argv),
         "parameters": params, "profile": prof.model_dump(mode="json"),
         "versions": versions(), "cpu_count": os.cpu_count(), "machine": platform.machine(),
-        "git_commit": _git("rev-parse", "HEAD"), "git_dirty": bool(_git("status", "--porcelain")),
+        "git_commit": _git("rev-parse", "HEAD"),
+        # uncommitted changes outside results (a run itself writes data/runs and figures)
+        "git_dirty": bool(_git("status", "--porcelain", "--", ".", ":(exclude)data/runs",
+                               ":(exclude)figures")),
         "input_sha256": hashes, "notebook_wall_s": timings, "wall_s": round(wall_s, 1),
     }
 

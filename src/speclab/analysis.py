@@ -103,9 +103,10 @@ def histogram(records: pd.DataFrame) -> pd.DataFrame:
 def load_curve(points: pd.DataFrame, records: pd.DataFrame) -> pd.DataFrame:
     """Server-mode points: throughput, latency percentiles (TTFT, TPOT, inter-token) and AL
     per (k, concurrency) and configuration."""
-    sv = points[(points.get("mode") == "server") & (points.status == "ok")] if len(points) \
-        and "mode" in points else pd.DataFrame()
-    if sv.empty or records.empty:
+    if "mode" not in points or records.empty:
+        return pd.DataFrame(columns=["point_id", "k", "concurrency", "throughput_tok_s"])
+    sv = points[(points["mode"] == "server") & (points.status == "ok")]
+    if sv.empty:
         return pd.DataFrame(columns=["point_id", "k", "concurrency", "throughput_tok_s"])
     sp = speed(sv).set_index("point_id")
     rows = []

@@ -18,7 +18,7 @@ import matplotlib.pyplot as plt
 import matplotlib.ticker
 import pandas as pd
 
-from speclab import analysis, parity, sweep
+from speclab import analysis, metrics, parity, sweep
 from speclab.sweep import Point
 
 # Dimensions a slice fixes (besides k, which the per-position panel picks).
@@ -180,8 +180,6 @@ def figure(t: Tables, sl: Slice, draft_cost: float | None = None) -> plt.Figure:
         if len(sp):
             ax_tp.plot(sp.k, sp.throughput_tok_s, c=c, marker="o", label=run)
             if draft_cost is not None and sp.baseline_tok_s.notna().any():
-                from speclab import metrics
-
                 b = sp[sp.k > 0]
                 ax_tp.plot(b.k, [bt * metrics.ideal_speedup(al, k, draft_cost) for bt, al, k in
                                  zip(b.baseline_tok_s, b.mean_acceptance_length, b.k)],

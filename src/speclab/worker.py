@@ -89,14 +89,12 @@ def main(spec_path: str) -> int:
             sp = SamplingParams(**sp_args)
             t["harness_s"] += time.perf_counter() - h1
             if profile.warmup:
-                # The measured batch's shapes and sampling path (logprobs included: a first
-                # pass that compiles them once cost the tiny-cpu plain point 3x its time), on
-                # reversed prompts so that no measured request hits a cached prefix.
+                # The measured batch's shapes and sampling path (a first pass that compiled
+                # them cost the tiny-cpu plain point 3x its time), on reversed prompts so that
+                # no measured request hits a cached prefix.
                 w0 = time.perf_counter()
                 llm.generate([{"prompt_token_ids": ids[::-1]} for ids in prompt_ids],
-                             SamplingParams(max_tokens=4, temperature=0.0,
-                                            logprobs=point.logprobs or None),
-                             use_tqdm=False)
+                             SamplingParams(**{**sp_args, "max_tokens": 4}), use_tqdm=False)
                 t["warmup_s"] = time.perf_counter() - w0
             h2 = time.perf_counter()
             before = metrics.from_snapshot(llm.get_metrics())

@@ -74,6 +74,30 @@ def test_config_satisfies_vllm022_constraints():
     assert T.check_vllm022_config(T.dsv4_config(moe_intermediate_size=1024))
 
 
+def test_mhc_small_batch_rule_matches_vllm022_kernel(vllm022_tree):  # noqa: F811
+    """`check_vllm022_config`'s hidden-size rule is the column coverage of vLLM 0.22's
+    small-batch mHC kernel: each of `split_k` slices of hidden/split_k columns is walked by 256
+    threads for (hidden/split_k) // 256 iterations."""
+    ops = (vllm022_tree / "vllm/_tilelang_ops.py").read_text()
+    kernel = ops[ops.index("def mhc_fused_tilelang("):ops.index("def mhc_post_tilelang(")]
+    assert "n_thr: int = 256," in kernel and "h_iters = h_per_split // n_thr" in kernel
+    assert "h_idx = h_split_start + it * n_thr + tid" in kernel
+    caller = (vllm022_tree / "vllm/model_executor/kernels/mhc/tilelang.py").read_text()
+    assert "use_small_fma = num_tokens <= 16" in caller
+    assert "n_splits = 8 if (num_tokens < 8 and hidden_size <= 4096) else 4" in caller
+
+    def covered(hidden: int, split_k: int) -> set[int]:
+        per = hidden // split_k
+        return {k * per + it * 256 + t for k in range(split_k) for it in range(per // 256)
+                for t in range(256)}
+
+    for hidden in (512, 1024, 1536, 2048, 3072, 4096, 6144):
+        whole = all(covered(hidden, k) == set(range(hidden)) for k in (8, 4))
+        flagged = any("mHC" in p for p in T.check_vllm022_config(T.dsv4_config(hidden_size=hidden)))
+        assert flagged == (not whole), hidden
+    assert not covered(512, 8)  # the old tiny config: no column at all on <= 16-token steps
+
+
 def test_checkpoint_layout_matches_vllm022_params(built):
     d, meta = built
     cfg = json.loads((d["tiny"] / "config.json").read_text())
@@ -345,7 +369,7 @@ def test_aux_states_follow_vllm_mhc_semantics(tiny_ref):
         logits = tiny_ref.model.lm_head(mm.norm(mm.hc_head(streams[4][None])))[0]
     assert torch.allclose(logits, f["logits"], atol=1e-4)
     aux = R.DSV4Reference.aux_from_streams(streams, [1, 2, 3])
-    assert aux.shape == (len(ids), 3, 512)
+    assert aux.shape == (len(ids), 3, T.TINY_DSV4_CONFIG["hidden_size"])
     assert torch.equal(aux[:, 1], streams[2].mean(dim=1))
     # Different layers give different states (layer 0 = embedding is never an aux id for V4).
     assert not torch.allclose(aux[:, 0], aux[:, 2])
@@ -366,10 +390,10 @@ def test_reference_run_npz_roundtrip(tiny_ref, tmp_path):
         assert z[f"p{i}_tokens"].tolist()[: len(p)] == p
         assert z[f"p{i}_greedy"].shape == (3,) and bool(z[f"p{i}_greedy_consistent"])
         assert z[f"p{i}_logits"].shape == (n, 2048)
-        assert z[f"p{i}_aux"].shape == (n, 2, 512) and z[f"p{i}_aux"].dtype == np.float32
+        assert z[f"p{i}_aux"].shape == (n, 2, T.TINY_DSV4_CONFIG["hidden_size"]) and z[f"p{i}_aux"].dtype == np.float32
         assert z[f"p{i}_topk_ids"].shape == (n, 4)
         st = z[f"p{i}_streams"]
-        assert st.shape == (5, n, 4, 512)
+        assert st.shape == (5, n, 4, T.TINY_DSV4_CONFIG["hidden_size"])
         assert np.allclose(st[3].mean(axis=1), z[f"p{i}_aux"][:, 1], atol=1e-6)
         lp = torch.log_softmax(torch.as_tensor(z[f"p{i}_logits"]), -1)
         assert np.allclose(z[f"p{i}_topk_logprobs"][:, 0], lp.max(-1).values.numpy(), atol=1e-5)
@@ -400,7 +424,8 @@ def test_draft_configs(built):
     for k in ("tiny_draft", "rig_draft", "dial0_draft"):
         c = json.loads((d[k] / "config.json").read_text())
         assert c["architectures"] == ["LlamaForCausalLMEagle3"] and c["model_type"] == "llama"
-        assert c["hidden_size"] == c["target_hidden_size"] == 512
+        assert c["hidden_size"] == c["target_hidden_size"] == T.TINY_DSV4_CONFIG["hidden_size"]
+        assert c["head_dim"] == 128 and c["num_attention_heads"] * 128 == c["hidden_size"]
         assert c["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
         assert c["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
         assert c["num_aux_hidden_states"] == 3 and c["num_hidden_layers"] == 1
@@ -489,5 +514,5 @@ def test_reference_cli(built, tmp_path, capsys):
                    "--aux", "2", "--no-full-logits"]) == 0
     z = np.load(out)
     assert z["p0_greedy"].tolist() == [103, 104, 105]
-    assert "p0_logits" not in z.files and z["p0_aux"].shape == (6, 1, 512)
+    assert "p0_logits" not in z.files and z["p0_aux"].shape == (6, 1, T.TINY_DSV4_CONFIG["hidden_size"])
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["n_prompts"] == 1

@@ -29,7 +29,8 @@ STATE = Path("/tmp/speclab_lab")
 PY = sys.executable
 SPECLAB = [PY, "-m", "speclab"]
 RUNS = REPO / "data" / "runs"
-DATE = time.strftime("%Y%m%d")
+# run-folder suffix: the date, or LAB_STAMP to keep a second session of the same day apart
+STAMP = os.environ.get("LAB_STAMP") or time.strftime("%Y%m%d")
 
 # name, GPUs, timeout (s), command, run folders it writes (under data/runs)
 JOBS: list[dict] = []
@@ -45,42 +46,43 @@ def sweep(profile: str, run: str, *extra: str) -> list[str]:
     return [*SPECLAB, "sweep", "--profile", profile, "--run-id", run, *extra]
 
 
-DIAL, RIG, NEAR = (f"h200-{n}-{DATE}" for n in ("dsv4-dial", "dsv4-rig", "dsv4-neartie"))
+DIAL, RIG, NEAR = (f"h200-{n}-{STAMP}" for n in ("dsv4-dial", "dsv4-rig", "dsv4-neartie"))
 T = "tools/gpu"
 FIXTURES = ["tiny-dsv4", "tiny-dsv4-eagle3", "rig-dsv4", "rig-dsv4-eagle3", "dial-dsv4",
             "dial-dsv4-eagle3", "neartie-dsv4", "neartie-dsv4-eagle3"]
 TP1 = "*_tp1_*"
-# Priority order. First the kernel check behind the broken small-step decode (seconds; see
-# data/runs/h200-20261130.md), then proof of the overlay (stock error, exact rig counters, sanity of plain
-# decoding against the transformers reference, aux states), then the acceptance sweep, the
-# parity arms, server mode, compiled mode, the two-GPU arms and the cost benchmark.
-MHC = f"h200-mhc-check-{DATE}"
-job("mhc-check", 1, 240, [PY, f"{T}/mhc_check.py", "--out", f"data/runs/{MHC}/mhc_check.json"],
+# Priority order. First the kernel check behind the broken small-step decode of the hidden-512
+# fixtures (seconds; data/runs/h200-20261130.md), then proof of the overlay (exact rig counters,
+# plain decoding against the transformers reference), the acceptance sweep, the parity arms,
+# draft KV fp8, server mode, the two-GPU arms, aux states, compiled mode, the cost benchmark,
+# and the stock error last (recorded before; it does not depend on the fixture).
+MHC = f"h200-mhc-check-{STAMP}"
+job("mhc-check", 1, 300, [PY, f"{T}/mhc_check.py", "--out", f"data/runs/{MHC}/mhc_check.json"],
     [MHC])
 job("rig", 1, 600, sweep("tiny-dsv4-rig", RIG), [RIG])
-job("stock-error", 1, 300, sweep("tiny-dsv4-rig", f"{RIG}-stock", "--only", "k3_*", "--override",
-                                 '{"env": {"DSV4_EAGLE3_OVERLAY": "off"}, "overlay": "off"}'),
-    [f"{RIG}-stock"], expect_fail=True)
+job("sanity", 1, 420, [PY, f"{T}/dsv4_sanity.py", "--run-dir", f"data/runs/{DIAL}/sanity-tiny",
+                       "--target", "tiny-dsv4"], [DIAL])
 job("dial-auto", 1, 900, sweep("tiny-dsv4-h200", DIAL, "--only", "k0_*,*dkv-auto*"), [DIAL])
 job("neartie-parity", 1, 1200, sweep("tiny-dsv4-neartie-h200", NEAR, "--with-parity",
                                      "--only", TP1), [NEAR])
-job("sanity", 1, 420, [PY, f"{T}/dsv4_sanity.py", "--run-dir", f"data/runs/{DIAL}/sanity-tiny",
-                       "--target", "tiny-dsv4"], [DIAL])
+job("dial-fp8", 1, 900, sweep("tiny-dsv4-h200", DIAL, "--only", "*dkv-fp8*"), [DIAL])
 job("serve", 1, 600, sweep("tiny-dsv4-h200", DIAL, "--mode", "server", "--concurrency", "1,4",
                            "--only", "k3_*dkv-auto*"), [DIAL])
-job("dial-fp8", 1, 900, sweep("tiny-dsv4-h200", DIAL, "--only", "*dkv-fp8*"), [DIAL])
 job("tp2-ep", 2, 900, ["bash", "-c", "; ".join(
     " ".join(sweep(p, r, "--with-parity", "--only", "'*tp2-ep*'"))
     for p, r in (("tiny-dsv4-h200", DIAL), ("tiny-dsv4-neartie-h200", NEAR)))], [DIAL, NEAR])
+job("aux-check", 1, 420, [PY, f"{T}/aux_check.py", "--run-dir", f"data/runs/{DIAL}"], [DIAL])
 job("compiled", 1, 600, sweep("tiny-dsv4-h200", f"{DIAL}-compiled", "--only",
                               "k0_*,k3_*dkv-auto*", "--override",
                               '{"engine": {"enforce_eager": false}, '
                               '"env": {"VLLM_DISABLE_COMPILE_CACHE": "1"}}'), [f"{DIAL}-compiled"])
-job("aux-check", 1, 420, [PY, f"{T}/aux_check.py", "--run-dir", f"data/runs/{DIAL}"], [DIAL])
 job("sanity-neartie", 1, 420, [PY, f"{T}/dsv4_sanity.py", "--run-dir",
                                f"data/runs/{NEAR}/sanity", "--target", "neartie-dsv4"], [NEAR])
 job("cost", 1, 600, [PY, f"{T}/overlay_cost.py", "--run-dir", f"data/runs/{DIAL}-cost"],
     [f"{DIAL}-cost"] + [f"{DIAL}-cost-overlay-{m}-r{r}" for m in ("auto", "off") for r in (0, 1)])
+job("stock-error", 1, 300, sweep("tiny-dsv4-rig", f"{RIG}-stock", "--only", "k3_*", "--override",
+                                 '{"env": {"DSV4_EAGLE3_OVERLAY": "off"}, "overlay": "off"}'),
+    [f"{RIG}-stock"], expect_fail=True)
 
 
 def log(msg: str, fh=None) -> None:
@@ -200,7 +202,8 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--deadline", type=float, default=540, help="seconds from now")
-    ap.add_argument("--only", help="comma-separated job names (default: all not yet done)")
+    ap.add_argument("--only", help="comma-separated job names, run in this order "
+                    "(default: all not yet done, in priority order)")
     ap.add_argument("--gpus", type=int, default=None, help="GPUs to use (default: all visible)")
     ap.add_argument("--min-left", type=float, default=60,
                     help="do not start a job with less time than this left")
@@ -213,7 +216,11 @@ def main() -> int:
     ngpu = a.gpus or torch.cuda.device_count()
     done = set(json.loads((STATE / "done.json").read_text())) if (STATE / "done.json").exists() \
         else set()
-    todo = [j for j in JOBS if j["name"] not in done and (not a.only or j["name"] in a.only.split(","))]
+    names = a.only.split(",") if a.only else [j["name"] for j in JOBS]
+    unknown = set(names) - {j["name"] for j in JOBS}
+    if unknown:
+        ap.error(f"unknown jobs {sorted(unknown)}; known: {[j['name'] for j in JOBS]}")
+    todo = [next(j for j in JOBS if j["name"] == n) for n in names if n not in done]
     todo = [j for j in todo if j["gpus"] <= ngpu]
     summary = {"started": time.ctime(), "gpus": ngpu, "skipped_done": sorted(done), "jobs": {}}
     lock = threading.Lock()

@@ -53,9 +53,9 @@ FIXTURES = ["tiny-dsv4", "tiny-dsv4-eagle3", "rig-dsv4", "rig-dsv4-eagle3", "dia
 TP1 = "*_tp1_*"
 # Priority order. First the kernel check behind the broken small-step decode of the hidden-512
 # fixtures (seconds; data/runs/h200-20261130.md), then proof of the overlay (exact rig counters,
-# plain decoding against the transformers reference), the acceptance sweep, the parity arms,
-# draft KV fp8, server mode, the two-GPU arms, aux states, compiled mode, the cost benchmark,
-# and the stock error last (recorded before; it does not depend on the fixture).
+# plain decoding against the transformers reference, the acceptance sweep, draft KV fp8, server
+# mode, compiled mode), the parity arms (one GPU, then TP=2 + EP), aux states, the cost
+# benchmark, and the stock error last (recorded before; it does not depend on the fixture).
 MHC = f"h200-mhc-check-{STAMP}"
 job("mhc-check", 1, 300, [PY, f"{T}/mhc_check.py", "--out", f"data/runs/{MHC}/mhc_check.json"],
     [MHC])
@@ -63,27 +63,26 @@ job("rig", 1, 600, sweep("tiny-dsv4-rig", RIG), [RIG])
 job("sanity", 1, 420, [PY, f"{T}/dsv4_sanity.py", "--run-dir", f"data/runs/{DIAL}/sanity-tiny",
                        "--target", "tiny-dsv4"], [DIAL])
 job("dial-auto", 1, 900, sweep("tiny-dsv4-h200", DIAL, "--only", "k0_*,*dkv-auto*"), [DIAL])
-job("neartie-parity", 1, 1200, sweep("tiny-dsv4-neartie-h200", NEAR, "--with-parity",
-                                     "--only", TP1), [NEAR])
 job("dial-fp8", 1, 900, sweep("tiny-dsv4-h200", DIAL, "--only", "*dkv-fp8*"), [DIAL])
 job("serve", 1, 600, sweep("tiny-dsv4-h200", DIAL, "--mode", "server", "--concurrency", "1,4",
                            "--only", "k3_*dkv-auto*"), [DIAL])
-job("tp2-ep", 2, 900, ["bash", "-c", "; ".join(
-    " ".join(sweep(p, r, "--with-parity", "--only", "'*tp2-ep*'"))
-    for p, r in (("tiny-dsv4-h200", DIAL), ("tiny-dsv4-neartie-h200", NEAR)))], [DIAL, NEAR])
-job("aux-check", 1, 420, [PY, f"{T}/aux_check.py", "--run-dir", f"data/runs/{DIAL}"], [DIAL])
 job("compiled", 1, 600, sweep("tiny-dsv4-h200", f"{DIAL}-compiled", "--only",
                               "k0_*,k3_*dkv-auto*", "--override",
                               '{"engine": {"enforce_eager": false}, '
                               '"env": {"VLLM_DISABLE_COMPILE_CACHE": "1"}}'), [f"{DIAL}-compiled"])
-job("sanity-neartie", 1, 420, [PY, f"{T}/dsv4_sanity.py", "--run-dir",
-                               f"data/runs/{NEAR}/sanity", "--target", "neartie-dsv4"], [NEAR])
+job("neartie-parity", 1, 1200, sweep("tiny-dsv4-neartie-h200", NEAR, "--with-parity",
+                                     "--only", TP1), [NEAR])
+job("tp2-ep", 2, 900, ["bash", "-c", "; ".join(
+    " ".join(sweep(p, r, "--with-parity", "--only", "'*tp2-ep*'"))
+    for p, r in (("tiny-dsv4-h200", DIAL), ("tiny-dsv4-neartie-h200", NEAR)))], [DIAL, NEAR])
+job("aux-check", 1, 420, [PY, f"{T}/aux_check.py", "--run-dir", f"data/runs/{DIAL}"], [DIAL])
 job("cost", 1, 600, [PY, f"{T}/overlay_cost.py", "--run-dir", f"data/runs/{DIAL}-cost"],
     [f"{DIAL}-cost"] + [f"{DIAL}-cost-overlay-{m}-r{r}" for m in ("auto", "off") for r in (0, 1)])
+job("sanity-neartie", 1, 420, [PY, f"{T}/dsv4_sanity.py", "--run-dir",
+                               f"data/runs/{NEAR}/sanity", "--target", "neartie-dsv4"], [NEAR])
 job("stock-error", 1, 300, sweep("tiny-dsv4-rig", f"{RIG}-stock", "--only", "k3_*", "--override",
                                  '{"env": {"DSV4_EAGLE3_OVERLAY": "off"}, "overlay": "off"}'),
     [f"{RIG}-stock"], expect_fail=True)
-
 
 def log(msg: str, fh=None) -> None:
     line = f"[{time.strftime('%H:%M:%S')}] {msg}"
@@ -208,6 +207,10 @@ def main() -> int:
     ap.add_argument("--min-left", type=float, default=60,
                     help="do not start a job with less time than this left")
     a = ap.parse_args()
+    names = a.only.split(",") if a.only else [j["name"] for j in JOBS]
+    unknown = set(names) - {j["name"] for j in JOBS}
+    if unknown:
+        ap.error(f"unknown jobs {sorted(unknown)}; known: {[j['name'] for j in JOBS]}")
     deadline = time.time() + a.deadline
     (STATE / "logs").mkdir(parents=True, exist_ok=True)
     a.out.mkdir(parents=True, exist_ok=True)
@@ -216,10 +219,6 @@ def main() -> int:
     ngpu = a.gpus or torch.cuda.device_count()
     done = set(json.loads((STATE / "done.json").read_text())) if (STATE / "done.json").exists() \
         else set()
-    names = a.only.split(",") if a.only else [j["name"] for j in JOBS]
-    unknown = set(names) - {j["name"] for j in JOBS}
-    if unknown:
-        ap.error(f"unknown jobs {sorted(unknown)}; known: {[j['name'] for j in JOBS]}")
     todo = [next(j for j in JOBS if j["name"] == n) for n in names if n not in done]
     todo = [j for j in todo if j["gpus"] <= ngpu]
     summary = {"started": time.ctime(), "gpus": ngpu, "skipped_done": sorted(done), "jobs": {}}

@@ -66,10 +66,11 @@ def check(tokens: int, hidden: int, seed: int, norm: bool) -> dict:
         err = (g - r).abs().max().item()
         out[name] = {"max_abs_err": err if math.isfinite(err) else str(err),
                      "scale": r.abs().max().item(), "nan": bool(torch.isnan(g).any())}
-    # bf16 outputs: a few ulps of their scale; fp32 mixes: 1e-3 absolute
+    # bf16 outputs: a few ulps of their scale; fp32 mixes (O(1), the kernels use TF32 or
+    # split-k FMA): 1e-2 absolute. Broken paths are off by O(1) or NaN.
     out["ok"] = all(not out[n]["nan"] and isinstance(out[n]["max_abs_err"], float)
                     and out[n]["max_abs_err"] <= (0.02 * out[n]["scale"] + 1e-3
-                                                  if n in ("residual", "layer_input") else 1e-3)
+                                                  if n in ("residual", "layer_input") else 1e-2)
                     for n in ("residual", "post_mix", "comb_mix", "layer_input"))
     return out
 
@@ -83,6 +84,11 @@ def main() -> int:
     import vllm
 
     rows = []
+    head = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "vllm": vllm.__version__, "torch": torch.__version__,
+            "gpu": torch.cuda.get_device_name(),
+            "command": f"tools/gpu/mhc_check.py --hidden {a.hidden} --tokens {a.tokens}"}
+    a.out.parent.mkdir(parents=True, exist_ok=True)
     for hidden in map(int, a.hidden.split(",")):
         for tokens in map(int, a.tokens.split(",")):
             for norm in (False, True):
@@ -92,14 +98,8 @@ def main() -> int:
                     rows.append({"tokens": tokens, "hidden": hidden, "norm": norm, "ok": False,
                                  "error": f"{type(e).__name__}: {e}"})
                 print(json.dumps(rows[-1]), flush=True)
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps({
-        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "vllm": vllm.__version__, "torch": torch.__version__,
-        "gpu": torch.cuda.get_device_name(), "command": " ".join(["tools/gpu/mhc_check.py",
-                                                                  f"--hidden {a.hidden}",
-                                                                  f"--tokens {a.tokens}"]),
-        "rows": rows}, indent=1))
+                # rewritten after every row: a call cut short keeps what was measured
+                a.out.write_text(json.dumps({**head, "rows": rows}, indent=1))
     bad = [(r["hidden"], r["tokens"], r["norm"]) for r in rows if not r["ok"]]
     print(f"mhc check: {len(rows) - len(bad)}/{len(rows)} ok; failing (hidden, tokens, norm): "
           f"{bad}")

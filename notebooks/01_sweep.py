@@ -52,7 +52,7 @@ failed = pts[pts.status != "ok"]
 display(failed[["point_id", "error"]] if len(failed) else "all points ok")
 
 # %%
-acc = analysis.acceptance(recs)
+acc = analysis.acceptance(recs, points=pts)
 spd = analysis.speed(pts)
 fig = plots.al_and_speed_vs_k(acc, spd, prof.draft_cost, title=f"{prof.name}: {prof.description}")
 plots.save(fig, figures_dir, "al_speed_vs_k")

@@ -163,3 +163,39 @@ def test_speedup_bounds():
     assert metrics.expected_tokens_per_step(0.5, 3) == pytest.approx(1.875)
     assert metrics.expected_tokens_per_step(1.0, 3) == 4
     assert metrics.ideal_speedup(2.4, 3, 0.1) == pytest.approx(2.4 / 1.3)
+
+
+def test_acceptance_uses_engine_counters_where_attribution_failed():
+    """Server mode at c=1 on the H200: stream chunks merged verify steps, so a point's
+    per-request counters (356 drafts) fell short of /metrics (378): that point must be
+    reported from the engine's counters, without CIs, and left out of per-category rows."""
+    import pandas as pd
+
+    from speclab import analysis
+
+    def recs(pid, per_request):
+        return [{"point_id": pid, "k": 2, "kv_cache_dtype": "fp8", "layout": "tp1",
+                 "prompt_format": "raw", "category": cat, "drafts": d,
+                 "accepted_per_pos": list(a)} for cat, d, a in per_request]
+
+    rows = recs("ok", [("a", 10, (8, 4)), ("b", 10, (6, 2))]) + \
+        recs("merged", [("a", 3, (3, 3)), ("b", 2, (2, 2))])
+    records = pd.DataFrame(rows)
+    points = pd.DataFrame([
+        {"point_id": "ok", "status": "ok", "attribution": "consistent",
+         "counters.num_drafts": 21, "counters.num_draft_tokens": 42,
+         "counters.num_accepted_tokens": 21, "counters.accepted_per_pos": [15, 6]},
+        {"point_id": "merged", "status": "ok", "attribution": "mismatch",
+         "counters.num_drafts": 20, "counters.num_draft_tokens": 40,
+         "counters.num_accepted_tokens": 22, "counters.accepted_per_pos": [14, 8]}])
+    acc = analysis.acceptance(records, points=points, n_boot=50).set_index("point_id")
+    assert acc.loc["ok", "source"] == "requests" and acc.loc["ok", "num_drafts"] == 20
+    assert acc.loc["ok", "per_position"] == pytest.approx([0.7, 0.3])
+    assert acc.loc["merged", "source"] == "engine" and acc.loc["merged", "num_drafts"] == 20
+    assert acc.loc["merged", "mean_acceptance_length"] == pytest.approx(1 + 22 / 20)
+    assert acc.loc["merged", "per_position"] == pytest.approx([0.7, 0.4])
+    assert math.isnan(acc.loc["merged", "al_lo"]) and not math.isnan(acc.loc["ok", "al_lo"])
+    by_cat = analysis.acceptance(records, by=["category"], points=points, n_boot=50)
+    assert set(by_cat.point_id) == {"ok"} and len(by_cat) == 2
+    # without points every row comes from the per-request counters
+    assert (analysis.acceptance(records, n_boot=50).source == "requests").all()

@@ -15,20 +15,47 @@ def _counts(group: pd.DataFrame, k: int) -> tuple[np.ndarray, np.ndarray]:
     return group.drafts.to_numpy(dtype=float), app.reshape(len(group), k)
 
 
-def acceptance(records: pd.DataFrame, by: list[str] | None = None, *, n_boot: int = 1000,
+def _untrusted(points: pd.DataFrame | None) -> dict[str, metrics.SpecCounters]:
+    """Engine counters of the ok points whose per-request attribution is "mismatch" (server
+    mode when stream chunks merged verify steps): their per-request counters are not usable."""
+    if points is None or points.empty or "attribution" not in points:
+        return {}
+    bad = points[(points.status == "ok") & (points.attribution == "mismatch")]
+    return {r.point_id: metrics.SpecCounters(
+        int(r["counters.num_drafts"]), int(r["counters.num_draft_tokens"]),
+        int(r["counters.num_accepted_tokens"]), tuple(int(x) for x in r["counters.accepted_per_pos"]))
+        for _, r in bad.iterrows()}
+
+
+def acceptance(records: pd.DataFrame, by: list[str] | None = None, *,
+               points: pd.DataFrame | None = None, n_boot: int = 1000,
                seed: int = 0) -> pd.DataFrame:
     """Acceptance per point (or per `by` groups within points) from per-request counters,
-    with percentile-bootstrap 95% CIs over requests. Plain (k=0) rows are skipped."""
+    with percentile-bootstrap 95% CIs over requests. Plain (k=0) rows are skipped.
+
+    With `points`, a point whose per-request counters disagree with the engine's
+    (attribution "mismatch") is reported from the engine's counters without CIs
+    (`source` "engine") and left out of `by` groups; every other row has `source` "requests"."""
     if records.empty:
         return pd.DataFrame(columns=["point_id", "k", *KEYS, "mean_acceptance_length"])
+    engine = _untrusted(points)
     spec = records[records.k > 0]
     rows = []
     for key, g in spec.groupby(["point_id", *(by or [])], sort=False):
         k = int(g.k.iloc[0])
-        drafts, app = _counts(g, k)
-        c = metrics.SpecCounters(int(drafts.sum()), int(k * drafts.sum()), int(app.sum()),
-                                 tuple(int(x) for x in app.sum(axis=0)))
-        ci = metrics.bootstrap_ci(drafts, app, n_boot=n_boot, seed=seed)
+        pid = g.point_id.iloc[0]
+        if pid in engine:
+            if by:
+                continue
+            c = engine[pid]
+            nan = [float("nan")] * k
+            ci = {"mean_acceptance_length": (np.nan, np.nan), "per_position": (nan, nan),
+                  "conditional": (nan, nan)}
+        else:
+            drafts, app = _counts(g, k)
+            c = metrics.SpecCounters(int(drafts.sum()), int(k * drafts.sum()), int(app.sum()),
+                                     tuple(int(x) for x in app.sum(axis=0)))
+            ci = metrics.bootstrap_ci(drafts, app, n_boot=n_boot, seed=seed)
         row = dict(zip(["point_id", *(by or [])], key if isinstance(key, tuple) else (key,)))
         row.update({c_: g[c_].iloc[0] for c_ in ["k", "draft_kv_cache_dtype", "repeat", *KEYS,
                                                   "concurrency"] if c_ in g})
@@ -39,6 +66,7 @@ def acceptance(records: pd.DataFrame, by: list[str] | None = None, *, n_boot: in
             per_position=c.per_position, pp_lo=list(ci["per_position"][0]),
             pp_hi=list(ci["per_position"][1]), conditional=c.conditional,
             cond_lo=list(ci["conditional"][0]), cond_hi=list(ci["conditional"][1]),
+            source="engine" if pid in engine else "requests",
         )
         rows.append(row)
     return pd.DataFrame(rows)

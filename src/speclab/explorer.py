@@ -136,8 +136,9 @@ def tables(points: pd.DataFrame, records: pd.DataFrame, sl: Slice, *,
     empty = pd.DataFrame()
     if r.empty:
         return Tables(empty, empty, empty, empty)
-    acc = pd.concat([analysis.acceptance(g, n_boot=n_boot).assign(run=run)
-                     for run, g in r.groupby("run", sort=False)], ignore_index=True)
+    acc = pd.concat([analysis.acceptance(g, n_boot=n_boot, points=points[points.run == run])
+                     .assign(run=run) for run, g in r.groupby("run", sort=False)],
+                    ignore_index=True)
     pos = analysis.per_position_long(acc[acc.k == sl.k]) if len(acc) else empty
     ids = set(r.point_id)
     p = points[points.run.isin(sl.runs) & points.point_id.isin(ids)]

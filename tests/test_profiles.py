@@ -21,6 +21,8 @@ def write(tmp_path, **data):
 def test_shipped_profiles_are_valid(name):
     prof = profiles.load(name)
     assert sweep.expand(prof)
+    if prof.backend == "cuda":  # eager GPU runs JIT-compile per decode batch size (H200 logs)
+        assert prof.warmup_tokens == prof.max_tokens
 
 
 @pytest.mark.parametrize("data, message", [
@@ -30,6 +32,7 @@ def test_shipped_profiles_are_valid(name):
     ({"draft": None}, "no draft model"),
     ({"engine": {"kv_cache_dtype": "fp8"}}, "set by the grid"),
     ({"max_tokens": 0}, "max_tokens"),
+    ({"warmup_tokens": 0}, "warmup_tokens"),
     ({"bogus": 1}, "bogus"),
     ({"backend": "tpu"}, "backend"),
 ])

@@ -91,6 +91,9 @@ class Profile(BaseModel):
     temperature: float = Field(0.0, ge=0.0)
     ignore_eos: bool = True
     warmup: bool = True
+    # tokens per warm-up request: 4 covers prefill and the first decode shapes; GPU profiles
+    # use max_tokens so every decode batch size of the measured run is JIT-compiled untimed
+    warmup_tokens: int = Field(4, ge=1)
     seed: int = 0
     repeats: int = Field(1, ge=1)
     draft_cost: float = Field(0.1, ge=0.0)

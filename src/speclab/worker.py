@@ -94,7 +94,8 @@ def main(spec_path: str) -> int:
                 # no measured request hits a cached prefix.
                 w0 = time.perf_counter()
                 llm.generate([{"prompt_token_ids": ids[::-1]} for ids in prompt_ids],
-                             SamplingParams(**{**sp_args, "max_tokens": 4}), use_tqdm=False)
+                             SamplingParams(**{**sp_args, "max_tokens": profile.warmup_tokens}),
+                             use_tqdm=False)
                 t["warmup_s"] = time.perf_counter() - w0
             h2 = time.perf_counter()
             before = metrics.from_snapshot(llm.get_metrics())

@@ -55,7 +55,7 @@ display(failed[["point_id", "error"]] if len(failed) else "all points ok")
 acc = analysis.acceptance(recs, points=pts)
 spd = analysis.speed(pts)
 fig = plots.al_and_speed_vs_k(acc, spd, prof.draft_cost, title=f"{prof.name}: {prof.description}")
-plots.save(fig, figures_dir, "al_speed_vs_k")
+plots.save(fig, figures_dir, "al_speed_vs_k" + ("_server" if mode == "server" else ""))
 display(spd.round(3))
 
 # %% [markdown]

@@ -93,7 +93,7 @@ def test_sweep_notebook_in_server_mode(profile, tmp_path):
     assert all(1 <= c["mean_acceptance_length"] <= 4 for c in curve if c["k"] == 3)
     assert {a["k"] for a in r["acceptance"].values()} == {3} and len(r["acceptance"]) == 2
     assert all(pid.endswith(("_serve-c1", "_serve-c2")) for pid in r["throughput"])
-    assert {"load_vs_concurrency.png", "al_speed_vs_k.png"} <= {
+    assert {"load_vs_concurrency.png", "al_speed_vs_k_server.png"} <= {
         p.name for p in (figs / "serve").iterdir()}
 
 

@@ -59,11 +59,12 @@ plots.save(fig, figures_dir, "al_speed_vs_k" + ("_server" if mode == "server" el
 display(spd.round(3))
 
 # %% [markdown]
-# Server mode only: throughput, time to first token, time per output token and AL against the
-# number of concurrent requests, one line per k.
+# Server-mode points of this run (from this or an earlier server-mode execution): throughput,
+# time to first token, time per output token and AL against the number of concurrent
+# requests, one line per k.
 
 # %%
-curve = analysis.load_curve(pts, recs)
+curve = analysis.load_curve(*sweep.load_results(run_dir))
 if len(curve):
     fig = plots.load_vs_concurrency(curve, title=f"{prof.name}: server mode")
     plots.save(fig, figures_dir, "load_vs_concurrency")

@@ -97,4 +97,16 @@ def test_evaluate_reports_arms_whose_points_did_not_run():
     pts = pd.DataFrame([{"point_id": arms[0].ref.id, "status": "ok"},
                         {"point_id": arms[0].cand.id, "status": "error"}])
     summary, cmp = parity.evaluate(arms, pd.DataFrame(), pts)
-    assert summary.status.iloc[0].startswith("not run") and cmp.empty
+    assert summary.status.iloc[0] == f"not run: candidate {arms[0].cand.id} error" and cmp.empty
+    summary, _ = parity.evaluate(arms, pd.DataFrame(), pts.iloc[:0])
+    assert "reference" in summary.status.iloc[0] and "has no result" in summary.status.iloc[0]
+
+
+def test_findings_print_counts_as_integers_next_to_arms_that_did_not_run():
+    s = {"n": 16, "exact": 15, "match_rate": 15 / 16, "match_lo": 0.7, "match_hi": 0.99,
+         "near_tie": 1, "substantive": 0, "took_runner_up": 1, "first_divergence": [9]}
+    summary = pd.DataFrame([{"arm": "a", "question": "q", "status": "ok", **s},
+                            {"arm": "b", "question": "q", "status": "not run: candidate x error"}])
+    lines = parity.findings(summary, 0.05)
+    assert lines[0].startswith("a (q): 15/16 prompts identical") and "1 at near-ties" in lines[0]
+    assert lines[1] == "b: not run: candidate x error."

@@ -179,9 +179,12 @@ def evaluate(arms: Sequence[Arm], records: pd.DataFrame, points: pd.DataFrame, *
     status = dict(zip(points.point_id, points.status)) if len(points) else {}
     summ, rows = [], []
     for arm in arms:
-        st = (status.get(arm.ref.id), status.get(arm.cand.id))
-        if st != ("ok", "ok"):
-            summ.append({"arm": arm.name, "question": arm.question, "status": f"not run: {st}"})
+        missing = [f"{role} {pt.id} {status.get(pt.id) or 'has no result'}"
+                   for role, pt in (("reference", arm.ref), ("candidate", arm.cand))
+                   if status.get(pt.id) != "ok"]
+        if missing:
+            summ.append({"arm": arm.name, "question": arm.question,
+                         "status": "not run: " + "; ".join(missing)})
             continue
         cmp = compare(records[records.point_id == arm.ref.id],
                       records[records.point_id == arm.cand.id], near_tie=near_tie)
@@ -199,16 +202,19 @@ def findings(summary: pd.DataFrame, near_tie: float) -> list[str]:
         if s.status != "ok":
             lines.append(f"{s.arm}: {s.status}.")
             continue
-        text = (f"{s.arm} ({s.question}): {s.exact}/{s.n} prompts identical "
+        # counts turn float when the summary also holds arms that did not run (NaN)
+        n, exact = int(s.n), int(s.exact)
+        text = (f"{s.arm} ({s.question}): {exact}/{n} prompts identical "
                 f"({s.match_rate:.0%}, 95% CI {s.match_lo:.0%}-{s.match_hi:.0%})")
-        nd = s.n - s.exact
+        nd = n - exact
         if nd:
             pos = sorted(s.first_divergence)
             text += (f"; {nd} diverged (first divergence at tokens {pos[:8]}"
-                     f"{'...' if len(pos) > 8 else ''}), {s.near_tie} at near-ties "
-                     f"(margin < {near_tie}), {s.took_runner_up} took the reference's runner-up")
+                     f"{'...' if len(pos) > 8 else ''}), {int(s.near_tie)} at near-ties "
+                     f"(margin < {near_tie}), {int(s.took_runner_up)} took the reference's "
+                     "runner-up")
             if s.substantive:
-                text += (f"; {s.substantive} SUBSTANTIVE (margin >= {near_tie}): not explained "
-                         "by a near-tie, investigate")
+                text += (f"; {int(s.substantive)} SUBSTANTIVE (margin >= {near_tie}): not "
+                         "explained by a near-tie, investigate")
         lines.append(text + ".")
     return lines

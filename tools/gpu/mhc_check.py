@@ -1,13 +1,16 @@
 #!/usr/bin/env python3
 """Is vLLM 0.22's small-batch mHC path wrong at small hidden sizes? (GPU, seconds, no engine)
 
-The tiny DeepSeek-V4 config (hidden 512) decodes garbage whenever a step carries <= 16 tokens,
-where `mhc_fused_post_pre_tilelang` switches to its small-FMA path (`use_small_fma =
+The first tiny DeepSeek-V4 config (hidden 512) decoded garbage whenever a step carried <= 16
+tokens, where `mhc_fused_post_pre_tilelang` switches to its small-FMA path (`use_small_fma =
 num_tokens <= 16`, kernels/mhc/tilelang.py). This runs that kernel and vLLM's own torch
 reference (`mhc_post_torch` then `mhc_pre_torch`) on the same random inputs for several hidden
 sizes and token counts on both sides of 16, and writes the largest errors as JSON:
 
     python3 tools/gpu/mhc_check.py --out data/runs/<run>/mhc_check.json
+
+Result on the H200 (data/runs/h200-mhc-check-20261130): wrong below hidden 4096, see
+`speclab.fixtures.dsv4_target.MHC_SMALL_BATCH_HIDDEN`.
 """
 
 from __future__ import annotations

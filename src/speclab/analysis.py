@@ -21,9 +21,9 @@ def _untrusted(points: pd.DataFrame | None) -> dict[str, metrics.SpecCounters]:
     if points is None or points.empty or "attribution" not in points:
         return {}
     bad = points[(points.status == "ok") & (points.attribution == "mismatch")]
-    return {r.point_id: metrics.SpecCounters(
-        int(r["counters.num_drafts"]), int(r["counters.num_draft_tokens"]),
-        int(r["counters.num_accepted_tokens"]), tuple(int(x) for x in r["counters.accepted_per_pos"]))
+    return {r.point_id: metrics.SpecCounters.from_dict(
+        {n: r[f"counters.{n}"] for n in ("num_drafts", "num_draft_tokens",
+                                          "num_accepted_tokens", "accepted_per_pos")})
         for _, r in bad.iterrows()}
 
 

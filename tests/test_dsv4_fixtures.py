@@ -21,6 +21,7 @@ from speclab.fixtures import dsv4_target as T
 from vllm022 import vllm022_tree  # noqa: F401  (session fixture)
 
 torch.set_num_threads(2)
+HIDDEN = T.TINY_DSV4_CONFIG["hidden_size"]
 
 
 
@@ -101,7 +102,8 @@ def test_mhc_small_batch_rule_matches_vllm022_kernel(vllm022_tree):  # noqa: F81
     assert not covered(512, 8)  # the old tiny config: no column at all on <= 16-token steps
     # 2048 passes the coverage rule but the fused-norm kernel returns NaN there (H200)
     assert covered(2048, 8) == set(range(2048)) and len(problems(2048)) == 1
-    norm = ops[ops.index("def mhc_pre_big_fuse_with_norm_tilelang("):ops.index("def mhc_fused_tilelang(")]
+    norm = ops[ops.index("def mhc_pre_big_fuse_with_norm_tilelang("):
+               ops.index("def mhc_fused_tilelang(")]
     assert "hidden_block = math.gcd(1024, hidden_size)" in norm
     assert "T.Pipelined(hidden_size // hidden_block, num_stages=3)" in norm
 
@@ -377,7 +379,7 @@ def test_aux_states_follow_vllm_mhc_semantics(tiny_ref):
         logits = tiny_ref.model.lm_head(mm.norm(mm.hc_head(streams[4][None])))[0]
     assert torch.allclose(logits, f["logits"], atol=1e-4)
     aux = R.DSV4Reference.aux_from_streams(streams, [1, 2, 3])
-    assert aux.shape == (len(ids), 3, T.TINY_DSV4_CONFIG["hidden_size"])
+    assert aux.shape == (len(ids), 3, HIDDEN)
     assert torch.equal(aux[:, 1], streams[2].mean(dim=1))
     # Different layers give different states (layer 0 = embedding is never an aux id for V4).
     assert not torch.allclose(aux[:, 0], aux[:, 2])
@@ -398,10 +400,11 @@ def test_reference_run_npz_roundtrip(tiny_ref, tmp_path):
         assert z[f"p{i}_tokens"].tolist()[: len(p)] == p
         assert z[f"p{i}_greedy"].shape == (3,) and bool(z[f"p{i}_greedy_consistent"])
         assert z[f"p{i}_logits"].shape == (n, 2048)
-        assert z[f"p{i}_aux"].shape == (n, 2, T.TINY_DSV4_CONFIG["hidden_size"]) and z[f"p{i}_aux"].dtype == np.float32
+        assert z[f"p{i}_aux"].shape == (n, 2, HIDDEN)
+        assert z[f"p{i}_aux"].dtype == np.float32
         assert z[f"p{i}_topk_ids"].shape == (n, 4)
         st = z[f"p{i}_streams"]
-        assert st.shape == (5, n, 4, T.TINY_DSV4_CONFIG["hidden_size"])
+        assert st.shape == (5, n, 4, HIDDEN)
         assert np.allclose(st[3].mean(axis=1), z[f"p{i}_aux"][:, 1], atol=1e-6)
         lp = torch.log_softmax(torch.as_tensor(z[f"p{i}_logits"]), -1)
         assert np.allclose(z[f"p{i}_topk_logprobs"][:, 0], lp.max(-1).values.numpy(), atol=1e-5)
@@ -432,7 +435,7 @@ def test_draft_configs(built):
     for k in ("tiny_draft", "rig_draft", "dial0_draft"):
         c = json.loads((d[k] / "config.json").read_text())
         assert c["architectures"] == ["LlamaForCausalLMEagle3"] and c["model_type"] == "llama"
-        assert c["hidden_size"] == c["target_hidden_size"] == T.TINY_DSV4_CONFIG["hidden_size"]
+        assert c["hidden_size"] == c["target_hidden_size"] == HIDDEN
         assert c["head_dim"] == 128 and c["num_attention_heads"] * 128 == c["hidden_size"]
         assert c["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
         assert c["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
@@ -522,5 +525,5 @@ def test_reference_cli(built, tmp_path, capsys):
                    "--aux", "2", "--no-full-logits"]) == 0
     z = np.load(out)
     assert z["p0_greedy"].tolist() == [103, 104, 105]
-    assert "p0_logits" not in z.files and z["p0_aux"].shape == (6, 1, T.TINY_DSV4_CONFIG["hidden_size"])
+    assert "p0_logits" not in z.files and z["p0_aux"].shape == (6, 1, HIDDEN)
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["n_prompts"] == 1

@@ -125,7 +125,8 @@ def run_job(j: dict, devices: str, fh, summary: dict, out: Path, lock: threading
     logf = STATE / "logs" / f"{j['name']}.log"
     # DeepGEMM's warm-up compiles ~1800 kernels (15+ min) for shapes a tiny run never meets;
     # the sweep profiles skip it too, this covers the scripts that build an LLM themselves
-    env = {"VLLM_DEEP_GEMM_WARMUP": "skip", **os.environ, **j["env"], "CUDA_VISIBLE_DEVICES": devices,
+    env = {"VLLM_DEEP_GEMM_WARMUP": "skip", **os.environ, **j["env"],
+           "CUDA_VISIBLE_DEVICES": devices,
            "PYTHONPATH": f"{REPO / 'src'}:{os.environ.get('PYTHONPATH', '')}"}
     timeout = max(10, min(j["timeout"], deadline - time.time()))
     log(f"start {j['name']} on GPU {devices} (timeout {timeout:.0f} s)", fh)

@@ -19,7 +19,10 @@
 # token by token. At the first divergence the reference's top-1 − top-2 logprob margin says
 # whether the target itself was at a near-tie there (numerics: a verify pass over k+1 tokens,
 # FP8 KV, expert-parallel combine order or batch composition can flip it) or not (a real
-# difference to investigate).
+# difference to investigate). Each plain run decodes twice (the second pass, with logprobs,
+# is untimed); where the two passes disagree the target flipped its own argmax, and the
+# largest margin at which that happened is the run's noise floor: divergences at or below
+# it are "within-noise", those no plain pass saw are "unscored".
 
 # %% tags=["parameters"]
 profile = "tiny-cpu"
@@ -56,8 +59,11 @@ plots.save(fig, figures_dir, "parity")
 # ## Findings
 
 # %%
-lines = parity.findings(summary, near_tie)
+plain = recs[recs.k == 0] if len(recs) else recs
+flips = parity.self_flips(plain) if len(plain) else None
+lines = parity.findings(summary, near_tie, flips=flips, n_plain=len(plain))
 display(Markdown("\n".join(f"- {line}" for line in lines)))
 
 # %%
-record(parity=summary.to_dict("records"), findings=lines, near_tie=near_tie)
+record(parity=summary.to_dict("records"), findings=lines, near_tie=near_tie,
+       self_flips=[] if flips is None else flips.to_dict("records"))

@@ -49,7 +49,54 @@ def test_margins_count_only_where_the_logprob_pass_shared_the_prefix():
     cand = pd.DataFrame([_rec("a", [1, 7, 3, 4]), _rec("b", [1, 2, 7, 4])])
     cmp = parity.compare(ref, cand, near_tie=0.05).set_index("prompt_id")
     assert cmp.loc["a", "kind"] == "near-tie"  # position 1: same prefix in both passes
-    assert cmp.loc["b", "kind"] == "substantive" and np.isnan(cmp.loc["b", "margin"])
+    assert cmp.loc["b", "kind"] == "unscored" and np.isnan(cmp.loc["b", "margin"])
+
+
+def test_missing_margins_come_from_other_plain_passes_that_saw_the_context():
+    # the reference's pass left at 0; plain run "p2" shares the prefix and its pass stayed on
+    ref = pd.DataFrame([{**_rec("a", [1, 2, 3, 4], margin=[0.0, 9, 9, 9]), "point_id": "ref",
+                         "logprob_pass_divergence": 0}])
+    cand = pd.DataFrame([{**_rec("a", [1, 2, 8, 4]), "point_id": "cand"}])
+    p2 = {**_rec("a", [1, 2, 3, 5], margin=[1, 1, 0.02, 1]), "point_id": "p2",
+          "logprob_pass_divergence": None}
+    p3 = {**_rec("a", [1, 2, 3, 5], margin=[1, 1, 0.04, 1]), "point_id": "p3",
+          "logprob_pass_divergence": 2}
+    off = {**_rec("a", [1, 9, 3, 5], margin=[1, 1, 5.0, 1]), "point_id": "p4",
+           "logprob_pass_divergence": None}  # another context: not used
+    plain = pd.concat([ref, pd.DataFrame([p2, p3, off])], ignore_index=True)
+    row = parity.compare(ref, cand, near_tie=0.05, plain=plain).iloc[0]
+    assert row.margin == pytest.approx(0.03) and row.margin_from == 2 and row.kind == "near-tie"
+    assert not row.took_runner_up  # the runner-up is only known from the reference's own pass
+
+
+def test_noise_floor_from_plain_self_flips_classifies_divergences():
+    recs = pd.DataFrame([
+        {**_rec("a", [1, 2, 3, 4], margin=[1, 0.2, 1, 1]), "point_id": "ref", "k": 0,
+         "logprob_pass_divergence": None},
+        {**_rec("b", [1, 2, 3, 4], margin=[1, 1, 0.3, 1]), "point_id": "ref", "k": 0,
+         "logprob_pass_divergence": 2},  # a self-flip at margin 0.3
+        {**_rec("a", [1, 7, 3, 4]), "point_id": "cand", "k": 3, "logprob_pass_divergence": None},
+        {**_rec("b", [1, 2, 3, 4]), "point_id": "cand", "k": 3, "logprob_pass_divergence": None},
+    ])
+    flips = parity.self_flips(recs[recs.k == 0])
+    assert flips[["prompt_id", "position", "margin"]].values.tolist() == [["b", 2, 0.3]]
+    assert parity.noise_floor(recs) == 0.3
+    arm = parity.Arm("spec-k3", Point(k=0), Point(k=3, draft_kv_cache_dtype="auto"), "q")
+    recs["point_id"] = recs.point_id.map({"ref": arm.ref.id, "cand": arm.cand.id})
+    pts = pd.DataFrame({"point_id": [arm.ref.id, arm.cand.id], "status": ["ok", "ok"]})
+    summary, cmp = parity.evaluate([arm], recs, pts, near_tie=0.05)
+    assert cmp.set_index("prompt_id").loc["a", "kind"] == "within-noise"
+    s = summary.iloc[0]
+    assert (s.within_noise, s.substantive, s.noise_floor) == (1, 0, 0.3)
+    lines = parity.findings(summary, 0.05, flips=flips, n_plain=2)
+    assert lines[0].startswith("Plain reruns: the untimed second pass of a plain run left its "
+                               "timed output in 1/2 prompt-runs, at top-1/top-2 margins up to 0.3")
+    assert "1 within the plain runs' own noise (margin <= 0.3)" in lines[1]
+    # a margin above the floor is substantive
+    summary, cmp = parity.evaluate([arm], recs.assign(margin=[[1, 0.5, 1, 1], [1, 1, 0.3, 1],
+                                                              [1] * 4, [1] * 4]), pts)
+    assert summary.iloc[0].substantive == 1 and "SUBSTANTIVE (margin > 0.3)" in \
+        parity.findings(summary, 0.05)[0]
 
 
 def test_wilson_interval():

@@ -6,6 +6,13 @@ An experiment arm is a pair of points (reference, candidate) run on the same pro
 reference is a plain greedy run with top-2 logprobs, so its top-1/top-2 margin at the first
 divergence position is known (the prefixes agree up to there, so the target saw the same
 context in both runs).
+
+The margins come from a second, untimed plain pass. Where that pass left the timed output
+(`logprob_pass_divergence`) the target flipped its own argmax between two runs of the same
+engine: those "self-flips" measure the target's run-to-run noise, and the largest margin at
+which one happened is the run's noise floor. A divergence is a "near-tie" below the
+`near_tie` threshold, "within-noise" at or below the noise floor, "substantive" above both,
+and "unscored" when no plain pass of the run saw its context (no margin to judge it by).
 """
 
 from __future__ import annotations
@@ -31,11 +38,40 @@ def first_divergence(ref: Sequence[int], cand: Sequence[int]) -> int | None:
     return None if len(ref) == len(cand) else n
 
 
-def compare(ref: pd.DataFrame, cand: pd.DataFrame, *, near_tie: float = 0.05) -> pd.DataFrame:
+def _pass_margin(row, prefix: list[int], j: int) -> float:
+    """The margin at position j of a plain run's logprob pass, if that pass saw `prefix`
+    (the timed output starts with it and the pass had not left the output before j)."""
+    margins = list(row.margin) if row.margin is not None else []
+    lp_div = row.get("logprob_pass_divergence")
+    if j >= len(margins) or list(row.output_token_ids[:j]) != prefix:
+        return math.nan
+    if lp_div is not None and not pd.isna(lp_div) and j > lp_div:
+        return math.nan
+    return float(margins[j])
+
+
+def self_flips(plain: pd.DataFrame) -> pd.DataFrame:
+    """Where plain runs' logprob passes left their own timed output: one row per flip with the
+    pass's top-1/top-2 margin there (a lower bound on the target's run-to-run logit noise)."""
+    rows = []
+    for r in plain.itertuples(index=False):
+        d, margins = getattr(r, "logprob_pass_divergence", None), r.margin
+        if d is None or pd.isna(d) or margins is None or int(d) >= len(margins):
+            continue
+        rows.append({"point_id": getattr(r, "point_id", None), "prompt_id": r.prompt_id,
+                     "position": int(d), "margin": float(margins[int(d)])})
+    return pd.DataFrame(rows, columns=["point_id", "prompt_id", "position", "margin"])
+
+
+def compare(ref: pd.DataFrame, cand: pd.DataFrame, *, near_tie: float = 0.05,
+            plain: pd.DataFrame | None = None, noise_floor: float = 0.0) -> pd.DataFrame:
     """Per prompt: exact match, first divergence, prefix agreement, and at the divergence the
     reference's top-1/top-2 logprob margin and whether the candidate took the runner-up.
 
-    kind: "match", "near-tie" (margin < near_tie) or "substantive"."""
+    The margin is the reference's own where its logprob pass saw the context, else the median
+    over the other `plain` runs' passes that did (`margin_from`: how many). kind: "match",
+    "near-tie" (margin < near_tie), "within-noise" (margin <= noise_floor), "substantive" or
+    "unscored" (no pass saw the context)."""
     c = cand.set_index("prompt_id")
     rows = []
     for _, r in ref.iterrows():
@@ -44,25 +80,35 @@ def compare(ref: pd.DataFrame, cand: pd.DataFrame, *, near_tie: float = 0.05) ->
         o = c.loc[r.prompt_id]
         ref_ids, cand_ids = list(r.output_token_ids), list(o.output_token_ids)
         j = first_divergence(ref_ids, cand_ids)
-        margins = list(r.margin) if r.margin is not None else []
-        # margins come from the reference's logprob pass: valid up to where it left the output
-        lp_div = r.get("logprob_pass_divergence")
-        if lp_div is not None and not pd.isna(lp_div) and j is not None and j > lp_div:
-            margins = margins[:int(lp_div) + 1]
-        margin = margins[j] if j is not None and j < len(margins) else math.nan
-        runner_up = list(r.runner_up)[j] if j is not None and j < len(margins) else -1
+        margin, sources, runner_up = math.nan, 0, -1
+        if j is not None:
+            margin = _pass_margin(r, ref_ids[:j], j)
+            sources = int(not math.isnan(margin))
+            if sources:
+                runner_up = list(r.runner_up)[j]
+            elif plain is not None and len(plain):
+                others = plain[(plain.prompt_id == r.prompt_id)
+                               & ~plain.point_id.isin([r.get("point_id"), o.get("point_id")])]
+                found = [m for m in (_pass_margin(x, ref_ids[:j], j) for _, x in others.iterrows())
+                         if not math.isnan(m)]
+                if found:
+                    margin, sources = float(np.median(found)), len(found)
         took = j is not None and j < len(cand_ids) and cand_ids[j] == runner_up
         if j is None:
             kind = "match"
-        elif not math.isnan(margin) and margin < near_tie:
+        elif math.isnan(margin):
+            kind = "unscored"
+        elif margin < near_tie:
             kind = "near-tie"
+        elif margin <= noise_floor:
+            kind = "within-noise"
         else:
             kind = "substantive"
         rows.append({
             "prompt_id": r.prompt_id, "category": r.category, "n_tokens": len(ref_ids),
             "exact": j is None, "first_divergence": j,
             "prefix_agreement": 1.0 if j is None else j / max(len(ref_ids), 1),
-            "margin": margin, "took_runner_up": took, "kind": kind,
+            "margin": margin, "margin_from": sources, "took_runner_up": took, "kind": kind,
         })
     return pd.DataFrame(rows)
 
@@ -86,8 +132,8 @@ def summarize(cmp: pd.DataFrame) -> dict:
     return {
         "n": n, "exact": exact, "match_rate": exact / n if n else math.nan,
         "match_lo": lo, "match_hi": hi,
-        "near_tie": int((div.kind == "near-tie").sum()) if n else 0,
-        "substantive": int((div.kind == "substantive").sum()) if n else 0,
+        **{k.replace("-", "_"): int((div.kind == k).sum()) if n else 0
+           for k in ("near-tie", "within-noise", "substantive", "unscored")},
         "took_runner_up": int(div.took_runner_up.sum()) if n else 0,
         "first_divergence": [int(x) for x in div.first_divergence] if n else [],
         "margins": [float(x) for x in div.margin] if n else [],
@@ -173,10 +219,21 @@ def points_of(arms: Sequence[Arm]) -> list[Point]:
     return list(seen.values())
 
 
+def noise_floor(records: pd.DataFrame) -> float:
+    """The largest margin at which a plain run of `records` flipped its own argmax (0: none)."""
+    plain = records[records.k == 0] if len(records) else records
+    flips = self_flips(plain) if len(plain) else pd.DataFrame()
+    return float(flips.margin.max()) if len(flips) else 0.0
+
+
 def evaluate(arms: Sequence[Arm], records: pd.DataFrame, points: pd.DataFrame, *,
              near_tie: float = 0.05) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """(per-arm summary, per-prompt comparisons) for the arms whose both points ran."""
+    """(per-arm summary, per-prompt comparisons) for the arms whose both points ran. Margins
+    missing from a reference are looked up in the run's other plain runs; the noise floor is
+    the run's (`noise_floor`)."""
     status = dict(zip(points.point_id, points.status)) if len(points) else {}
+    plain = records[records.k == 0] if len(records) else records
+    floor = noise_floor(records)
     summ, rows = [], []
     for arm in arms:
         missing = [f"{role} {pt.id} {status.get(pt.id) or 'has no result'}"
@@ -187,17 +244,28 @@ def evaluate(arms: Sequence[Arm], records: pd.DataFrame, points: pd.DataFrame, *
                          "status": "not run: " + "; ".join(missing)})
             continue
         cmp = compare(records[records.point_id == arm.ref.id],
-                      records[records.point_id == arm.cand.id], near_tie=near_tie)
+                      records[records.point_id == arm.cand.id], near_tie=near_tie,
+                      plain=plain, noise_floor=floor)
         cmp.insert(0, "arm", arm.name)
         rows.append(cmp)
         summ.append({"arm": arm.name, "question": arm.question, "status": "ok",
-                     "ref": arm.ref.id, "cand": arm.cand.id, **summarize(cmp)})
+                     "ref": arm.ref.id, "cand": arm.cand.id, "noise_floor": floor,
+                     **summarize(cmp)})
     return pd.DataFrame(summ), (pd.concat(rows, ignore_index=True) if rows else pd.DataFrame())
 
 
-def findings(summary: pd.DataFrame, near_tie: float) -> list[str]:
-    """Plain-language findings, one line per arm, generated from the summary."""
+def findings(summary: pd.DataFrame, near_tie: float, flips: pd.DataFrame | None = None,
+             n_plain: int = 0) -> list[str]:
+    """Plain-language findings, one line per arm (plus one on the plain runs' own flips when
+    `flips` from `self_flips` over `n_plain` plain prompt-runs is given), from the summary."""
     lines = []
+    if flips is not None and n_plain:
+        text = (f"Plain reruns: the untimed second pass of a plain run left its timed output in "
+                f"{len(flips)}/{n_plain} prompt-runs")
+        if len(flips):
+            text += (f", at top-1/top-2 margins up to {flips.margin.max():.3g} (median "
+                     f"{flips.margin.median():.3g}): the target's own run-to-run noise floor")
+        lines.append(text + ".")
     for _, s in summary.iterrows():
         if s.status != "ok":
             lines.append(f"{s.arm}: {s.status}.")
@@ -211,10 +279,16 @@ def findings(summary: pd.DataFrame, near_tie: float) -> list[str]:
             pos = sorted(s.first_divergence)
             text += (f"; {nd} diverged (first divergence at tokens {pos[:8]}"
                      f"{'...' if len(pos) > 8 else ''}), {int(s.near_tie)} at near-ties "
-                     f"(margin < {near_tie}), {int(s.took_runner_up)} took the reference's "
-                     "runner-up")
+                     f"(margin < {near_tie})")
+            if s.get("within_noise"):
+                text += (f", {int(s.within_noise)} within the plain runs' own noise (margin <= "
+                         f"{s.noise_floor:.3g})")
+            if s.get("unscored"):
+                text += f", {int(s.unscored)} unscored (no plain pass saw that context)"
+            text += f", {int(s.took_runner_up)} took the reference's runner-up"
             if s.substantive:
-                text += (f"; {int(s.substantive)} SUBSTANTIVE (margin >= {near_tie}): not "
-                         "explained by a near-tie, investigate")
+                floor = max(near_tie, s.get("noise_floor", 0) or 0)
+                text += (f"; {int(s.substantive)} SUBSTANTIVE (margin > {floor:.3g}): not "
+                         "explained by a near-tie or the target's own noise, investigate")
         lines.append(text + ".")
     return lines

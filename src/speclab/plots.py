@@ -146,6 +146,10 @@ def by_category(acc: pd.DataFrame, title: str = "") -> plt.Figure:
     return fig
 
 
+_KIND_COLORS = {"near-tie": "tab:orange", "within-noise": "tab:olive",
+                "substantive": "tab:red", "unscored": "tab:gray"}
+
+
 def parity_overview(summary: pd.DataFrame, cmp: pd.DataFrame, near_tie: float,
                     title: str = "") -> plt.Figure:
     """Match rate per arm with 95% CIs; first-divergence positions; margin at divergence
@@ -161,12 +165,21 @@ def parity_overview(summary: pd.DataFrame, cmp: pd.DataFrame, near_tie: float,
     ax1.set(xlim=(-0.02, 1.02), xlabel="fraction of prompts identical", title="Greedy parity")
     div = cmp[~cmp.exact] if len(cmp) else cmp
     if len(div):
+        m = div.margin.replace([np.inf], np.nan)
+        # exact ties (margin 0) at the left edge; unscored divergences (no margin) further left
+        low = min(near_tie, m[m > 0].min() if (m > 0).any() else near_tie) / 4
         for arm, g in div.groupby("arm", sort=False):
             ax2.scatter(g.first_divergence, [arm] * len(g), alpha=0.7)
-            m = g.margin.replace([np.inf], np.nan)
-            ax3.scatter(m.clip(lower=1e-6), [arm] * len(g), alpha=0.7,
-                        c=np.where(g.kind == "near-tie", "tab:orange", "tab:red"))
+        for kind, color in _KIND_COLORS.items():
+            g = div[div.kind == kind]
+            if len(g):
+                x = g.margin.replace([np.inf], np.nan).clip(lower=low).fillna(low / 2)
+                ax3.scatter(x, g.arm, alpha=0.7, c=color, label=kind,
+                            marker="x" if kind == "unscored" else "o")
         ax3.axvline(near_tie, ls="--", c="grey", label=f"near-tie threshold {near_tie:g}")
+        floor = ok.noise_floor.max() if "noise_floor" in ok else 0
+        if floor > near_tie:
+            ax3.axvline(floor, ls=":", c="black", label=f"plain self-flip max {floor:.3g}")
         ax3.set_xscale("log")
         ax3.legend(fontsize=8)
     else:
@@ -174,7 +187,7 @@ def parity_overview(summary: pd.DataFrame, cmp: pd.DataFrame, near_tie: float,
             ax.text(0.5, 0.5, "no divergences", ha="center", va="center", transform=ax.transAxes)
     ax2.set(xlabel="first divergence (output token index)", title="Where outputs diverge")
     ax3.set(xlabel="reference top-1 - top-2 logprob at divergence",
-            title="Margin at divergence (orange: near-tie)")
+            title="Margin at divergence (0: left edge; x: unscored)")
     fig.suptitle(title)
     fig.tight_layout()
     return fig

@@ -6,8 +6,9 @@
 
 Jobs (JOBS below) run as subprocesses, each with its own log and timeout. Single-GPU jobs run
 two at a time when two GPUs are visible (one per GPU); two-GPU jobs wait for both. A job that
-finished in an earlier call on the same warm machine is skipped (state in /tmp/speclab_lab);
-sweep points resume by themselves. No job starts unless it can end before the deadline.
+finished in an earlier call on the same warm machine is skipped (state in /tmp/speclab_lab),
+and so is the set-up; the run folders earlier calls wrote are restored first (the device drops
+untracked files between calls), so sweep points resume. No job starts unless it can end before the deadline.
 Everything the jobs wrote (data/runs/<run>/, logs) is packed into $OUT/results.tar.gz after
 every job, so a call that is cut short still returns what was done, with $OUT/summary.json."""
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -102,8 +104,22 @@ def pack(out: Path, summary: dict, lock: threading.Lock) -> None:
                     tar.add(RUNS / run, arcname=f"data/runs/{run}")
             if (STATE / "logs").exists():
                 tar.add(STATE / "logs", arcname="gpu-logs")
+        shutil.copyfile(tmp, STATE / "results.tar.gz")
         os.replace(tmp, out / "results.tar.gz")
         (out / "summary.json").write_text(json.dumps(summary, indent=1))
+
+
+def restore(fh) -> None:
+    """Put back the run folders an earlier call on this machine wrote: the device copies the
+    working tree afresh for every call and drops untracked files, so without this a sweep
+    would redo every point that is not committed yet."""
+    saved = STATE / "results.tar.gz"
+    if not saved.exists():
+        return
+    with tarfile.open(saved) as tar:
+        members = [m for m in tar.getmembers() if m.name.startswith("data/runs/")]
+        tar.extractall(REPO, members=members, filter="data")
+    log(f"restored {len(members)} files of earlier calls' run folders", fh)
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -157,6 +173,11 @@ def setup(fh) -> None:
     """Once per machine: the overlay's .pth into the bundle's site dir (processed by every
     Python process through the bundle's sitecustomize), an RTLD_GLOBAL preload of libnvrtc
     that TileLang needs, the fixtures, and an environment report."""
+    marker = STATE / "setup.json"
+    if marker.exists():
+        os.environ.update(json.loads(marker.read_text()))
+        log("setup: done by an earlier call on this machine", fh)
+        return
     site = os.environ["SPECLAB_SITE"]
     env = {**os.environ, "PYTHONPATH": f"{REPO / 'src'}:{os.environ.get('PYTHONPATH', '')}"}
     (RUNS / DIAL).mkdir(parents=True, exist_ok=True)
@@ -179,6 +200,7 @@ def setup(fh) -> None:
     env["DSV4_COMPRESSOR"] = os.environ.get("DSV4_COMPRESSOR", "")
     subprocess.run([PY, f"{T}/gpu_env.py", "report", "--out", f"data/runs/{DIAL}/env.json"],
                    cwd=REPO, env=env)
+    marker.write_text(json.dumps({"DSV4_COMPRESSOR": env["DSV4_COMPRESSOR"]}))
 
 
 JIT_CACHES = ["~/.triton/cache", "~/.tilelang", "~/.deep_gemm", "~/.cache/tilelang",
@@ -228,6 +250,7 @@ def main() -> int:
     lock = threading.Lock()
     fh = open(a.out / "driver.log", "a")
     log(f"{ngpu} GPU(s); jobs to run: {[j['name'] for j in todo]}", fh)
+    restore(fh)
     setup(fh)
     free = [str(i) for i in range(ngpu)]
     threads: list[threading.Thread] = []

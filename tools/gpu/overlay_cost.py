@@ -8,7 +8,8 @@
    mHC post-mix (vLLM's own TileLang op) plus a mean over the hyper-connection streams.
    Timed with CUDA events at the tiny model's width and at V4-Flash's (4096), for several
    token counts.
-Writes RUN_DIR/cost.json (and the sweep points under RUN_DIR/points)."""
+Writes RUN_DIR/cost.json after each step (the runs go to RUN_DIR-overlay-<mode>-r<n>/), so a
+call cut short keeps what it measured; --summarize rebuilds it from those folders (no GPU)."""
 
 import argparse
 import json
@@ -18,9 +19,9 @@ import time
 from pathlib import Path
 
 
-def engine_runs(run_dir: Path, rounds: int, max_tokens: int) -> list[dict]:
-    """Alternate overlay on/off plain runs, each into its own run folder next to run_dir."""
-    out = []
+def engine_runs(run_dir: Path, rounds: int, max_tokens: int, after_each) -> None:
+    """Alternate overlay on/off plain runs, each into its own run folder next to run_dir
+    (finished ones are kept: sweep resumes), calling after_each() after every run."""
     for r in range(rounds):
         for mode in ("auto", "off"):
             run_id = f"{run_dir.name}-overlay-{mode}-r{r}"
@@ -28,13 +29,46 @@ def engine_runs(run_dir: Path, rounds: int, max_tokens: int) -> list[dict]:
             subprocess.run([sys.executable, "-m", "speclab", "sweep", "--profile",
                             "tiny-dsv4-h200", "--run-id", run_id, "--only", "k0_*",
                             "--override", json.dumps(over)], check=False)
-            for meta in sorted((run_dir.parent / run_id / "points").glob("*.json")):
-                m = json.loads(meta.read_text())
-                if m.get("status") == "ok":
-                    out.append({"run": run_id, "overlay": mode, "round": r,
-                                "throughput_tok_s": m["throughput_tok_s"],
-                                "generate_s": m["timings"]["generate_s"]})
+            after_each()
+
+
+def plain_runs(run_dir: Path) -> list[dict]:
+    """Every finished plain run in the `<run_dir>-overlay-*` folders: overlay mode (from the
+    run's profile), throughput and the median decode step."""
+    import numpy as np
+    import pandas as pd
+
+    out = []
+    for run in sorted(run_dir.parent.glob(f"{run_dir.name}-overlay-*")):
+        mode = json.loads((run / "profile.json").read_text())["env"].get(
+            "DSV4_EAGLE3_OVERLAY", "auto")
+        for meta in sorted((run / "points").glob("*.json")):
+            m = json.loads(meta.read_text())
+            if m.get("status") != "ok":
+                continue
+            steps = pd.read_parquet(meta.with_suffix(".parquet")).step_times
+            dt = np.concatenate([np.diff(np.asarray(t)) for t in steps])
+            out.append({"run": run.name, "overlay": mode, "started_at": m["started_at"],
+                        "throughput_tok_s": m["throughput_tok_s"],
+                        "generate_s": m["timings"]["generate_s"],
+                        "median_step_ms": float(np.median(dt) * 1e3),
+                        "p90_step_ms": float(np.percentile(dt, 90) * 1e3)})
     return out
+
+
+def summarize(run_dir: Path, result: dict) -> dict:
+    """result with plain_runs and on/off ratios (means over runs) from the run folders."""
+    runs = plain_runs(run_dir)
+    result = {**result, "plain_runs": runs}
+    on = [r for r in runs if r["overlay"] == "auto"]
+    off = [r for r in runs if r["overlay"] == "off"]
+    for key in ("throughput_tok_s", "median_step_ms"):
+        if on and off:
+            mean_on = sum(r[key] for r in on) / len(on)
+            mean_off = sum(r[key] for r in off) / len(off)
+            result[f"{key}_on_over_off"] = mean_on / mean_off
+    result["n_on"], result["n_off"] = len(on), len(off)
+    return result
 
 
 def aux_capture_cost(widths=(512, 4096), tokens=(1, 8, 64, 512, 4096), iters=200) -> list[dict]:
@@ -69,18 +103,27 @@ def main() -> int:
     ap.add_argument("--run-dir", type=Path, required=True)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--summarize", action="store_true",
+                    help="only rebuild cost.json from the run folders already there (no GPU)")
     a = ap.parse_args()
     a.run_dir.mkdir(parents=True, exist_ok=True)
-    result = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "command": " ".join(sys.argv)}
-    result["aux_capture"] = aux_capture_cost()
-    runs = engine_runs(a.run_dir, a.rounds, a.max_tokens)
-    result["plain_runs"] = runs
-    on = [r["throughput_tok_s"] for r in runs if r["overlay"] == "auto"]
-    off = [r["throughput_tok_s"] for r in runs if r["overlay"] == "off"]
-    if on and off:
-        result["plain_on_over_off"] = (sum(on) / len(on)) / (sum(off) / len(off))
-    (a.run_dir / "cost.json").write_text(json.dumps(result, indent=1))
-    print(json.dumps({k: v for k, v in result.items() if k != "aux_capture"}, indent=1))
+    path = a.run_dir / "cost.json"
+    result = json.loads(path.read_text()) if path.exists() else {}
+    result.update({"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "command": " ".join(sys.argv)})
+
+    def write() -> None:
+        nonlocal result
+        result = summarize(a.run_dir, result)
+        path.write_text(json.dumps(result, indent=1))
+
+    if not a.summarize:
+        if "aux_capture" not in result:  # kept from an earlier, interrupted call
+            result["aux_capture"] = aux_capture_cost()
+            write()
+        engine_runs(a.run_dir, a.rounds, a.max_tokens, write)
+    write()
+    print(json.dumps({k: v for k, v in result.items() if k not in ("aux_capture", "plain_runs")},
+                     indent=1))
     return 0
 
 

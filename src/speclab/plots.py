@@ -51,7 +51,7 @@ def al_and_speed_vs_k(acc: pd.DataFrame, speed: pd.DataFrame, draft_cost: float,
     if acc.empty and speed.empty:
         return _no_results(title)
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    for label, g in _series(acc.sort_values("k")):
+    for label, g in _series(acc.sort_values("k")) if len(acc) else []:  # plain-only runs: none
         g = g.groupby("k", as_index=False).mean(numeric_only=True)
         ax1.errorbar(g.k, g.mean_acceptance_length,
                      yerr=[g.mean_acceptance_length - g.al_lo, g.al_hi - g.mean_acceptance_length],
@@ -64,7 +64,8 @@ def al_and_speed_vs_k(acc: pd.DataFrame, speed: pd.DataFrame, draft_cost: float,
     ax1.legend(fontsize=8)
     sp = speed.dropna(subset=["throughput_tok_s"]) if len(speed) else speed
     plain = sp[sp.k == 0] if len(sp) else sp
-    for label, g in _series(sp[sp.k > 0].sort_values("k") if len(sp) else sp):
+    spec = sp[sp.k > 0] if len(sp) else sp
+    for label, g in _series(spec.sort_values("k")) if len(spec) else []:
         g = g.groupby("k", as_index=False).mean(numeric_only=True)
         b = float(g.baseline_tok_s.dropna().mean()) if g.baseline_tok_s.notna().any() else np.nan
         line = ax2.plot([0, *g.k], [b, *g.throughput_tok_s], marker="o",

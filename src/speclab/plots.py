@@ -182,7 +182,7 @@ def parity_overview(summary: pd.DataFrame, cmp: pd.DataFrame, near_tie: float,
         if floor > near_tie:
             ax3.axvline(floor, ls=":", c="black", label=f"plain self-flip max {floor:.3g}")
         ax3.set_xscale("log")
-        ax3.legend(fontsize=8)
+        ax3.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     else:
         for ax in (ax2, ax3):
             ax.text(0.5, 0.5, "no divergences", ha="center", va="center", transform=ax.transAxes)

@@ -33,8 +33,14 @@ execute = True
 # None: the profile's parity.arms and parity.near_tie (nats)
 arms = None
 near_tie = None
+# other run folders (paths or names under data/runs) of the same target and prompts, e.g. a
+# repeat of this run: their plain runs also serve the margin lookup and the noise floor
+plain_runs = []
 
 # %%
+from pathlib import Path
+
+import pandas as pd
 from IPython.display import Markdown, display
 
 from speclab import parity, plots, sweep
@@ -45,9 +51,11 @@ near_tie = near_tie if near_tie is not None else prof.parity.near_tie
 plan = parity.plan(prof, arms if arms is not None else prof.parity.arms,
                    k_values=prof.parity.k_values, spec_k=prof.parity.spec_k)
 needed = parity.points_of(plan)
+more_plain = parity.plain_from_runs(prof, plain_runs, base=Path(run_dir).parent)
 if execute:
     sweep.run(prof, run_dir, needed)
 pts, recs = sweep.results_for(run_dir, needed)
+recs = pd.concat([recs, more_plain], ignore_index=True)
 summary, cmp = parity.evaluate(plan, recs, pts, near_tie=near_tie)
 display(summary.drop(columns=["first_divergence", "margins"], errors="ignore").round(3))
 

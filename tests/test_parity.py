@@ -157,3 +157,24 @@ def test_findings_print_counts_as_integers_next_to_arms_that_did_not_run():
     lines = parity.findings(summary, 0.05)
     assert lines[0].startswith("a (q): 15/16 prompts identical") and "1 at near-ties" in lines[0]
     assert lines[1] == "b: not run: candidate x error."
+
+
+def _write_run(d, profile, point_id, recs):
+    (d / "points").mkdir(parents=True)
+    (d / "profile.json").write_text(profile.model_dump_json())
+    (d / "points" / f"{point_id}.json").write_text('{"point_id": "%s", "status": "ok"}' % point_id)
+    pd.DataFrame(recs).to_parquet(d / "points" / f"{point_id}.parquet")
+
+
+def test_plain_from_runs_pools_other_runs_of_the_same_target_and_refuses_others(tmp_path):
+    prof = _profile()
+    plain = {**_rec("a", [1, 2, 3]), "point_id": "k0", "k": 0, "logprob_pass_divergence": 1}
+    spec = {**_rec("a", [1, 2, 3]), "point_id": "k3", "k": 3, "logprob_pass_divergence": None}
+    _write_run(tmp_path / "again", prof, "k0", [plain, spec])
+    got = parity.plain_from_runs(prof, ["again"], base=tmp_path)
+    assert got.point_id.tolist() == ["again:k0"] and parity.noise_floor(got) == 1.0
+    _write_run(tmp_path / "other", prof.model_copy(update={"target": "/y"}), "k0", [plain])
+    with pytest.raises(ValueError, match=r"other differs from t in \['target'\]"):
+        parity.plain_from_runs(prof, [tmp_path / "other"])
+    with pytest.raises(ValueError, match="not a run folder"):
+        parity.plain_from_runs(prof, ["missing"], base=tmp_path)

@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 import pandas as pd
 
 from speclab.profiles import Layout, Profile
-from speclab.sweep import Point
+from speclab.sweep import Point, load_profile, load_results
 
 
 def first_divergence(ref: Sequence[int], cand: Sequence[int]) -> int | None:
@@ -217,6 +218,34 @@ def points_of(arms: Sequence[Arm]) -> list[Point]:
         seen.setdefault(arm.ref.id, arm.ref)
         seen.setdefault(arm.cand.id, arm.cand)
     return list(seen.values())
+
+
+SAME_RUN_FIELDS = ("target", "prompts", "max_tokens", "temperature", "ignore_eos",
+                   "skip_tokenizer_init")
+
+
+def plain_from_runs(profile: Profile, run_dirs: Sequence[Path | str],
+                    base: Path | str = ".") -> pd.DataFrame:
+    """The plain (k=0) records of other runs of the same target, prompts and sampling, with
+    their point ids prefixed by the run folder's name: more passes for the margin lookup
+    and the noise floor. A bare name is looked up under `base` (the runs folder). A run that
+    differs in any of SAME_RUN_FIELDS is refused."""
+    frames = []
+    for d in map(Path, run_dirs):
+        d = d if d.is_dir() else Path(base) / d
+        if not (d / "profile.json").exists():
+            raise ValueError(f"plain_runs: {d} is not a run folder (no profile.json)")
+        other = load_profile(d)
+        diff = [f for f in SAME_RUN_FIELDS if getattr(other, f) != getattr(profile, f)]
+        if diff:
+            raise ValueError(f"plain_runs: {d.name} differs from {profile.name} in {diff}; "
+                             "its plain runs would not share the reference's contexts")
+        recs = load_results(d)[1]
+        if len(recs):
+            recs = recs[recs.k == 0].copy()
+            recs["point_id"] = d.name + ":" + recs.point_id
+            frames.append(recs)
+    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
 
 
 def noise_floor(records: pd.DataFrame) -> float:

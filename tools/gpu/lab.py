@@ -72,6 +72,11 @@ job("compiled", 1, 600, sweep("tiny-dsv4-h200", f"{DIAL}-compiled", "--only",
                               "k0_*,k3_*dkv-auto*", "--override",
                               '{"engine": {"enforce_eager": false}, '
                               '"env": {"VLLM_DISABLE_COMPILE_CACHE": "1"}}'), [f"{DIAL}-compiled"])
+# the rig's draft reads aux state 1 (the dial draft ignores aux states): exact counters under
+# torch.compile + CUDA graphs prove the captured aux states survive compilation
+job("rig-compiled", 1, 600, sweep("tiny-dsv4-rig", f"{RIG}-compiled", "--override",
+                                  '{"engine": {"enforce_eager": false}, '
+                                  '"env": {"VLLM_DISABLE_COMPILE_CACHE": "1"}}'), [f"{RIG}-compiled"])
 job("neartie-parity", 1, 1200, sweep("tiny-dsv4-neartie-h200", NEAR, "--with-parity",
                                      "--only", TP1), [NEAR])
 job("tp2-ep", 2, 900, ["bash", "-c", "; ".join(

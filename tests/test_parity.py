@@ -78,6 +78,8 @@ def test_noise_floor_from_plain_self_flips_classifies_divergences():
         {**_rec("a", [1, 7, 3, 4]), "point_id": "cand", "k": 3, "logprob_pass_divergence": None},
         {**_rec("b", [1, 2, 3, 4]), "point_id": "cand", "k": 3, "logprob_pass_divergence": None},
     ])
+    # server-mode records carry no logprob pass: no flips, floor 0
+    assert parity.noise_floor(recs.drop(columns=["margin", "logprob_pass_divergence"])) == 0.0
     flips = parity.self_flips(recs[recs.k == 0])
     assert flips[["prompt_id", "position", "margin"]].values.tolist() == [["b", 2, 0.3]]
     assert parity.noise_floor(recs) == 0.3

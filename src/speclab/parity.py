@@ -42,7 +42,8 @@ def first_divergence(ref: Sequence[int], cand: Sequence[int]) -> int | None:
 def _pass_margin(row, prefix: list[int], j: int) -> float:
     """The margin at position j of a plain run's logprob pass, if that pass saw `prefix`
     (the timed output starts with it and the pass had not left the output before j)."""
-    margins = list(row.margin) if row.margin is not None else []
+    margins = row.get("margin")
+    margins = [] if margins is None else list(margins)
     lp_div = row.get("logprob_pass_divergence")
     if j >= len(margins) or list(row.output_token_ids[:j]) != prefix:
         return math.nan
@@ -56,7 +57,8 @@ def self_flips(plain: pd.DataFrame) -> pd.DataFrame:
     pass's top-1/top-2 margin there (a lower bound on the target's run-to-run logit noise)."""
     rows = []
     for r in plain.itertuples(index=False):
-        d, margins = getattr(r, "logprob_pass_divergence", None), r.margin
+        # server-mode records have no logprob pass (no margin column)
+        d, margins = getattr(r, "logprob_pass_divergence", None), getattr(r, "margin", None)
         if d is None or pd.isna(d) or margins is None or int(d) >= len(margins):
             continue
         rows.append({"point_id": getattr(r, "point_id", None), "prompt_id": r.prompt_id,

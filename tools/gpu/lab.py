@@ -83,8 +83,10 @@ job("tp2-ep", 2, 900, ["bash", "-c", "; ".join(
     " ".join(sweep(p, r, "--with-parity", "--only", "'*tp2-ep*'"))
     for p, r in (("tiny-dsv4-h200", DIAL), ("tiny-dsv4-neartie-h200", NEAR)))], [DIAL, NEAR])
 job("aux-check", 1, 420, [PY, f"{T}/aux_check.py", "--run-dir", f"data/runs/{DIAL}"], [DIAL])
-job("cost", 1, 600, [PY, f"{T}/overlay_cost.py", "--run-dir", f"data/runs/{DIAL}-cost"],
-    [f"{DIAL}-cost"] + [f"{DIAL}-cost-overlay-{m}-r{r}" for m in ("auto", "off") for r in (0, 1)])
+# 3 rounds: the 2026-11-30 runs left 3 overlay-on runs against 1 off (h200-20261130-s4.md § 5)
+job("cost", 1, 600, [PY, f"{T}/overlay_cost.py", "--run-dir", f"data/runs/{DIAL}-cost",
+                     "--rounds", "3"],
+    [f"{DIAL}-cost"] + [f"{DIAL}-cost-overlay-{m}-r{r}" for m in ("auto", "off") for r in (0, 1, 2)])
 job("sanity-neartie", 1, 420, [PY, f"{T}/dsv4_sanity.py", "--run-dir",
                                f"data/runs/{NEAR}/sanity", "--target", "neartie-dsv4"], [NEAR])
 job("stock-error", 1, 300, sweep("tiny-dsv4-rig", f"{RIG}-stock", "--only", "k3_*", "--override",

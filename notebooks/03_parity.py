@@ -67,11 +67,11 @@ plots.save(fig, figures_dir, "parity")
 # ## Findings
 
 # %%
-plain = recs[recs.k == 0] if len(recs) else recs
-flips = parity.self_flips(plain) if len(plain) else None
-lines = parity.findings(summary, near_tie, flips=flips, n_plain=len(plain))
+flips = parity.self_flips(recs)
+lines = parity.findings(summary, near_tie, flips=flips,
+                        n_plain=int((recs.k == 0).sum()) if len(recs) else 0)
 display(Markdown("\n".join(f"- {line}" for line in lines)))
 
 # %%
 record(parity=summary.to_dict("records"), findings=lines, near_tie=near_tie,
-       self_flips=[] if flips is None else flips.to_dict("records"))
+       self_flips=flips.to_dict("records"))

@@ -52,9 +52,10 @@ def _pass_margin(row, prefix: list[int], j: int) -> float:
     return float(margins[j])
 
 
-def self_flips(plain: pd.DataFrame) -> pd.DataFrame:
-    """Where plain runs' logprob passes left their own timed output: one row per flip with the
-    pass's top-1/top-2 margin there (a lower bound on the target's run-to-run logit noise)."""
+def self_flips(records: pd.DataFrame) -> pd.DataFrame:
+    """Where plain (k=0) runs' logprob passes left their own timed output: one row per flip with
+    the pass's top-1/top-2 margin there (a lower bound on the target's run-to-run logit noise)."""
+    plain = records[records.k == 0] if "k" in records else records
     rows = []
     for r in plain.itertuples(index=False):
         # server-mode records have no logprob pass (no margin column)
@@ -252,8 +253,7 @@ def plain_from_runs(profile: Profile, run_dirs: Sequence[Path | str],
 
 def noise_floor(records: pd.DataFrame) -> float:
     """The largest margin at which a plain run of `records` flipped its own argmax (0: none)."""
-    plain = records[records.k == 0] if len(records) else records
-    flips = self_flips(plain) if len(plain) else pd.DataFrame()
+    flips = self_flips(records)
     return float(flips.margin.max()) if len(flips) else 0.0
 
 

@@ -8,7 +8,8 @@ Jobs (JOBS below) run as subprocesses, each with its own log and timeout. Single
 two at a time when two GPUs are visible (one per GPU); two-GPU jobs wait for both. A job that
 finished in an earlier call on the same warm machine is skipped (state in /tmp/speclab_lab),
 and so is the set-up; the run folders earlier calls wrote are restored first (the device drops
-untracked files between calls), so sweep points resume. No job starts unless it can end before the deadline.
+untracked files between calls), so sweep points resume. No job starts unless it can end
+before the deadline.
 Everything the jobs wrote (data/runs/<run>/, logs) is packed into $OUT/results.tar.gz after
 every job, so a call that is cut short still returns what was done, with $OUT/summary.json."""
 
@@ -68,15 +69,14 @@ job("dial-auto", 1, 900, sweep("tiny-dsv4-h200", DIAL, "--only", "k0_*,*dkv-auto
 job("dial-fp8", 1, 900, sweep("tiny-dsv4-h200", DIAL, "--only", "*dkv-fp8*"), [DIAL])
 job("serve", 1, 600, sweep("tiny-dsv4-h200", DIAL, "--mode", "server", "--concurrency", "1,4",
                            "--only", "k3_*dkv-auto*"), [DIAL])
+# torch.compile + CUDA graphs, every engine compiling from scratch
+COMPILED = '{"engine": {"enforce_eager": false}, "env": {"VLLM_DISABLE_COMPILE_CACHE": "1"}}'
 job("compiled", 1, 600, sweep("tiny-dsv4-h200", f"{DIAL}-compiled", "--only",
-                              "k0_*,k3_*dkv-auto*", "--override",
-                              '{"engine": {"enforce_eager": false}, '
-                              '"env": {"VLLM_DISABLE_COMPILE_CACHE": "1"}}'), [f"{DIAL}-compiled"])
+                              "k0_*,k3_*dkv-auto*", "--override", COMPILED), [f"{DIAL}-compiled"])
 # the rig's draft reads aux state 1 (the dial draft ignores aux states): exact counters under
 # torch.compile + CUDA graphs prove the captured aux states survive compilation
-job("rig-compiled", 1, 600, sweep("tiny-dsv4-rig", f"{RIG}-compiled", "--override",
-                                  '{"engine": {"enforce_eager": false}, '
-                                  '"env": {"VLLM_DISABLE_COMPILE_CACHE": "1"}}'), [f"{RIG}-compiled"])
+job("rig-compiled", 1, 600, sweep("tiny-dsv4-rig", f"{RIG}-compiled", "--override", COMPILED),
+    [f"{RIG}-compiled"])
 job("neartie-parity", 1, 1200, sweep("tiny-dsv4-neartie-h200", NEAR, "--with-parity",
                                      "--only", TP1), [NEAR])
 job("tp2-ep", 2, 900, ["bash", "-c", "; ".join(

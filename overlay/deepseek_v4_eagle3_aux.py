@@ -99,6 +99,68 @@ def forward(self, input_ids, positions, intermediate_tensors, inputs_embeds=None
     return hidden_states
 
 
+# --------------------------------------------------------------------------- id convention
+CONVENTION_ENV = "EAGLE3_AUX_LAYER_CONVENTION"
+CONVENTION_KEY = "eagle_aux_layer_convention"  # optional field of the draft's config.json
+CONVENTIONS = ("output", "input")
+
+
+def config_aux_ids(draft_config: dict) -> list[int] | None:
+    """``eagle_aux_hidden_state_layer_ids`` of a draft config, top level first, then
+    ``eagle_config`` (where vLLM's ``gpu_model_runner`` looks for them)."""
+    ids = draft_config.get("eagle_aux_hidden_state_layer_ids")
+    if ids is None:
+        ids = (draft_config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    return None if ids is None else [int(i) for i in ids]
+
+
+def resolve_aux_convention(draft_config: dict | None, num_layers: int | None = None,
+                           env=None) -> dict:
+    """Which target layers a draft's aux-layer ids mean, without vLLM or torch.
+
+    ``output``: id L is the output of decoder layer L (0-indexed), captured after L + 1
+    layers (SGLang, SpecForge). ``input``: id L is the stream entering layer L, captured
+    after L layers (vLLM). Resolution, first match wins: ``$EAGLE3_AUX_LAYER_CONVENTION``;
+    the draft config's ``eagle_aux_layer_convention`` (top level or ``eagle_config``);
+    SGLang's rule (sgl-project/sglang#25454): a first id of 1 means ``output`` (no draft uses
+    the embeddings), any other first id ``input``. Without ids in the config vLLM uses its
+    own default layers, which are ``input`` ids. Raises ValueError for an unknown
+    convention or a capture outside 1..num_layers."""
+    env = os.environ if env is None else env
+    cfg = draft_config or {}
+    ids = config_aux_ids(cfg)
+    from_config = cfg.get(CONVENTION_KEY) or (cfg.get("eagle_config") or {}).get(CONVENTION_KEY)
+    if env.get(CONVENTION_ENV):
+        convention, source = env[CONVENTION_ENV].strip().lower(), "env"
+        why = f"{CONVENTION_ENV}={env[CONVENTION_ENV]}"
+    elif from_config:
+        convention, source = str(from_config).strip().lower(), "config"
+        why = f"the draft config sets {CONVENTION_KEY}={from_config!r}"
+    elif ids is None:
+        convention, source = "input", "vllm-default"
+        why = "the draft config lists no aux ids: vLLM's default layers are input-to-layer ids"
+    elif ids[0] == 1:
+        convention, source = "output", "rule"
+        why = ("first id is 1: output-of-layer ids (nobody feeds the embeddings as an aux "
+               "state; SGLang's rule)")
+    else:
+        convention, source = "input", "rule"
+        why = f"first id is {ids[0]}, not 1: input-to-layer ids (SGLang's rule)"
+    if convention not in CONVENTIONS:
+        raise ValueError(f"aux-layer convention {convention!r} ({why}) is not one of "
+                         f"{CONVENTIONS}")
+    capture = None if ids is None else [i + 1 if convention == "output" else i for i in ids]
+    if capture is not None and num_layers is not None:
+        bad = [c for c in capture if not 1 <= c <= num_layers]
+        if bad:
+            raise ValueError(
+                f"aux-layer ids {ids} read as {convention!r} ids ({why}) capture after "
+                f"{capture} layers; {bad} not in 1..{num_layers} for a {num_layers}-layer "
+                f"target. Set {CONVENTION_ENV} or the draft config's {CONVENTION_KEY}.")
+    return {"convention": convention, "source": source, "config_ids": ids,
+            "capture_after_layers": capture, "num_layers": num_layers, "why": why}
+
+
 def set_aux_hidden_state_layers(self, layers) -> None:
     """Capture the hc-mean residual stream after each of ``layers`` decoder layers (1..N)."""
     n = len(self.model.layers)

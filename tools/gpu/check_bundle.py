@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
-"""Local smoke check of the GPU bundle tree (no GPU, no CUDA imports needed).
+"""Local smoke check of a GPU bundle tree (no GPU, no CUDA imports needed).
 
-Run after `tools/gpu/pack.sh --tree-only` (or a full pack), which lays the
+Run after `tools/gpu/pack.sh --vllm X --tree-only` (or a full pack), which lays the
 bundle's wheels out with `pip install --no-deps --target $WORK/tree/site`:
 
-  python3 tools/gpu/check_bundle.py [--site /tmp/speclab_gpu_pack/tree/site]
-        [--vllm-src DIR] [--kinds /work/.library/device/KINDS.md] [--json OUT]
+  python3 tools/gpu/check_bundle.py [--vllm 0.22.0] [--site DIR] [--vllm-src DIR]
+        [--kinds /work/.library/device/KINDS.md] [--json OUT]
 
 Two checks, each against "the device image (KINDS.md) + the bundle":
 
@@ -16,10 +16,11 @@ Two checks, each against "the device image (KINDS.md) + the bundle":
    we knowingly leave out are listed under WAIVED with the reason; anything else
    unmet is a FAIL.
 
-2. Imports. trace_imports.py walks vLLM's sources from the entry points speclab
-   uses (offline LLM, `vllm serve`, EAGLE-3, DeepSeek-V4, quantization); every
-   third-party module imported at module level ("hard"), or under an `if`
-   ("cond"), must come from the bundle or the image, unless WAIVED.
+2. Imports. trace_imports.py walks vLLM's sources from the entry points the
+   bundle carries (offline LLM, EAGLE-3, DeepSeek-V4, quantization; plus
+   `vllm serve` where the bundle has it, see BUNDLES); every third-party module
+   imported at module level ("hard"), or under an `if` ("cond"), must come from
+   the bundle or the image, unless WAIVED.
 
 Exit status 0 when nothing FAILs.
 """
@@ -119,6 +120,37 @@ WAIVED = {
     "modelscope": "only with VLLM_USE_MODELSCOPE=1", "ray": "only with Ray executor",
     "torchao": "torchao quantization only (module imported under `if`)",
     "humming-kernels[cu13]": "humming-kernels is carried; the cu13 extra's kernels JIT with the image's CUDA",
+    # -- vLLM 0.26.0 --------------------------------------------------------------
+    "nvidia-cutlass-dsl-libs-cu12": "cutlass-dsl 4.6.0 loads the flavour the driver supports "
+        "(CUDA 13 on the device: libs-cu13, carried); dist-info carried",
+    "nvidia-cuda-nvdisasm": "cutlass-dsl libs 4.6.0 metadata only: no file of cutlass-dsl "
+        "4.6.0 names nvdisasm; the image has it in /usr/local/cuda/bin",
+    "torchcodec": "video decoding for multimodal inputs (try/except and function-level imports)",
+    "pynvvideocodec": "NVIDIA video decoding for multimodal inputs (function-level import)",
+    "nvtx": "only vllm/v1/utils.py's NVTX profiling range (function-level import)",
+    "jsonschema": "no module of vLLM 0.26 imports it",
+}
+
+# `vllm serve` and what only it imports: waived where the bundle leaves serving out.
+SERVE_ONLY = {
+    "uvicorn": "entrypoints/launcher.py (`vllm serve`)",
+    "watchfiles": "entrypoints/serve/utils/ssl.py, imported by the launcher (`vllm serve`)",
+    "prometheus-fastapi-instrumentator": "/metrics of `vllm serve`",
+    "prometheus_fastapi_instrumentator": "/metrics of `vllm serve`",
+    "model-hosting-container-standards": "sagemaker routes of `vllm serve`",
+    "model_hosting_container_standards": "sagemaker routes of `vllm serve`",
+    "mistral-common": "Mistral tokenizers and tool parsers (`vllm serve` chain, Mistral models); "
+        "the offline path imports it only under `if` for a Mistral tokenizer",
+    "mistral_common": "see mistral-common",
+    "ijson": "tool parsers of `vllm serve`",
+    "python-multipart": "fastapi[standard]: Form()/UploadFile routes of `vllm serve`",
+    "pydantic-extra-types": "fastapi[standard] and mistral_common; vLLM does not import it",
+}
+
+# Per release: the tree pack.sh lays out, and whether `vllm serve` is carried.
+BUNDLES = {
+    "0.22.0": {"site": "/tmp/speclab_gpu_pack/tree/site", "serve": True},
+    "0.26.0": {"site": "/tmp/speclab_gpu_pack026/tree/site", "serve": False},
 }
 
 
@@ -162,14 +194,23 @@ def bundle_modules(site: str) -> set[str]:
             mods.add(e)
         elif e.endswith(".py") or ".so" in e:
             mods.add(e.split(".")[0])
-    # .pth-added dirs (cutlass lives in nvidia_cutlass_dsl/python_packages)
+    # .pth-added dirs: a path line (cutlass-dsl 4.5: nvidia_cutlass_dsl/python_packages),
+    # or an import line that joins a quoted folder name onto a package in the site
+    # (4.6: os.path.join(nvidia_cutlass_dsl.__path__[0], 'dsl_packages'))
     for e in os.listdir(site):
-        if e.endswith(".pth"):
-            for line in open(os.path.join(site, e)):
-                line = line.strip()
-                d = os.path.join(site, line)
-                if line and not line.startswith(("#", "import")) and os.path.isdir(d):
-                    mods |= {x.split(".")[0] for x in os.listdir(d)}
+        if not e.endswith(".pth"):
+            continue
+        for line in open(os.path.join(site, e)):
+            line = line.strip()
+            if not line or line.startswith("#"):
+                continue
+            if line.startswith("import"):
+                dirs = [os.path.join(site, pkg, sub) for pkg in re.findall(r"import [\w, ]*?(\w+);", line)
+                        for sub in re.findall(r"['\"]([\w.-]+)['\"]", line)]
+            else:
+                dirs = [os.path.join(site, line)]
+            for d in filter(os.path.isdir, dirs):
+                mods |= {x.split(".")[0] for x in os.listdir(d)}
     return mods
 
 
@@ -188,7 +229,7 @@ def active_requirements(requires: list[str], extras=()):
     return out
 
 
-def check_requires(site: str, image: set[str], image_ver: dict[str, str]):
+def check_requires(site: str, image: set[str], image_ver: dict[str, str], waived: dict):
     dists = bundle_dists(site)
     rows = []
     todo = [(d, info["requires"], ()) for d, info in
@@ -216,8 +257,8 @@ def check_requires(site: str, image: set[str], image_ver: dict[str, str]):
                 status = ("FAIL", "missing")
             if status[0] == "FAIL":
                 for key in (f"{dname}: {n}", n):
-                    if key in WAIVED:
-                        status = ("WAIVED", WAIVED[key])
+                    if key in waived:
+                        status = ("WAIVED", waived[key])
                         break
             # `pkg[extra]`: check what the extra adds, once per (pkg, extra)
             if r.extras and n in dists and (n, tuple(sorted(r.extras))) not in done_extras:
@@ -228,7 +269,7 @@ def check_requires(site: str, image: set[str], image_ver: dict[str, str]):
     return dists, rows
 
 
-def check_imports(trace: dict, site_mods: set[str], image: set[str]):
+def check_imports(trace: dict, site_mods: set[str], image: set[str], waived: dict):
     image_mods = set()
     for n in image:
         image_mods |= set(IMPORT_NAMES.get(n, [n.replace("-", "_")]))
@@ -241,8 +282,8 @@ def check_imports(trace: dict, site_mods: set[str], image: set[str]):
         where = "bundle" if top in site_mods else "image" if top in image_mods else None
         if where:
             status = ("ok", where)
-        elif top in WAIVED:
-            status = ("WAIVED", WAIVED[top])
+        elif top in waived:
+            status = ("WAIVED", waived[top])
         else:
             status = ("FAIL", "not in bundle or image")
         chain = " <- ".join(reversed(trace["chains"].get(top, [])))
@@ -252,24 +293,35 @@ def check_imports(trace: dict, site_mods: set[str], image: set[str]):
 
 def main():
     ap = argparse.ArgumentParser(description="smoke-check the speclab GPU bundle tree")
-    ap.add_argument("--site", default="/tmp/speclab_gpu_pack/tree/site")
+    ap.add_argument("--vllm", default="0.22.0", choices=sorted(BUNDLES),
+                    help="which bundle (its tree and whether it carries `vllm serve`)")
+    ap.add_argument("--site", help="the laid-out tree (default: pack.sh's for --vllm)")
     ap.add_argument("--vllm-src", help="vllm package dir to trace (default: SITE/vllm)")
     ap.add_argument("--kinds", default="/work/.library/device/KINDS.md")
     ap.add_argument("--json", help="write all rows here")
     a = ap.parse_args()
 
+    bundle = BUNDLES[a.vllm]
+    site = a.site or bundle["site"]
+    if not os.path.isdir(os.path.join(site, "vllm")):
+        sys.exit(f"no vllm/ in {site}: run tools/gpu/pack.sh --vllm {a.vllm} --tree-only first")
     image, image_ver = kinds_image(a.kinds)
     if not image:
         sys.exit(f"no package list found in {a.kinds}")
-    dists, req_rows = check_requires(a.site, image, image_ver)
-    vsrc = a.vllm_src or os.path.join(a.site, "vllm")
+    waived = WAIVED if bundle["serve"] else {**WAIVED, **SERVE_ONLY}
+    dists, req_rows = check_requires(site, image, image_ver, waived)
+    if dists.get("vllm", {}).get("version") != a.vllm:
+        sys.exit(f"{site} holds vLLM {dists.get('vllm', {}).get('version')}, not {a.vllm}")
+    vsrc = a.vllm_src or os.path.join(site, "vllm")
     with tempfile.TemporaryDirectory() as tmp:
         subprocess.run([sys.executable, os.path.join(HERE, "trace_imports.py"), vsrc,
-                        "--json", f"{tmp}/trace.json"], check=True, capture_output=True)
+                        "--json", f"{tmp}/trace.json", *([] if bundle["serve"] else ["--no-serve"])],
+                       check=True, capture_output=True)
         trace = json.load(open(f"{tmp}/trace.json"))
-    imp_rows = check_imports(trace, bundle_modules(a.site), image)
+    imp_rows = check_imports(trace, bundle_modules(site), image, waived)
 
-    print(f"bundle: {len(dists)} distributions; image: {len(image)} packages "
+    print(f"bundle: vLLM {a.vllm} ({'with' if bundle['serve'] else 'without'} `vllm serve`), "
+          f"{len(dists)} distributions; image: {len(image)} packages "
           f"({len(image_ver)} with versions)")
     print("\n## Requires-Dist (markers for CPython 3.12 / Linux x86_64)")
     for dname, label, st, why in req_rows:

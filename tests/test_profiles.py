@@ -95,3 +95,29 @@ def test_cli_reports_bad_profile_as_one_line_error(tmp_path):
                          capture_output=True, text=True)
     assert out.returncode == 2
     assert out.stderr.startswith("speclab: error:") and "Traceback" not in out.stderr
+
+
+def test_engine_args_take_the_gpu_share_lab_py_gives_a_job(monkeypatch):
+    from speclab import engine
+
+    prof = profiles.load("tiny-dsv4-h200")
+    point = next(p for p in sweep.expand(prof) if p.k == 3)
+    args, _ = engine.engine_args(prof, point, "t", "d")
+    assert args["gpu_memory_utilization"] == 0.4 and "kv_cache_memory_bytes" not in args
+    monkeypatch.setenv(engine.GPU_UTIL_ENV, "0.3")
+    monkeypatch.setenv(engine.KV_BYTES_ENV, str(4 * 2**30))
+    args, _ = engine.engine_args(prof, point, "t", "d")
+    assert args["gpu_memory_utilization"] == 0.3 and args["kv_cache_memory_bytes"] == 4 * 2**30
+    monkeypatch.setenv(engine.GPU_UTIL_ENV, "0.5")  # a cap, never a raise
+    assert engine.engine_args(prof, point, "t", "d")[0]["gpu_memory_utilization"] == 0.4
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"SPECLAB_GPU_MEMORY_UTILIZATION": "1.5"}, "want a fraction"),
+    ({"SPECLAB_KV_CACHE_MEMORY_BYTES": "0"}, "want a positive byte count"),
+])
+def test_gpu_share_refuses_bad_values(env, message):
+    from speclab import engine
+
+    with pytest.raises(ValueError, match=message):
+        engine.gpu_share({"gpu_memory_utilization": 0.4}, env)

@@ -6,6 +6,7 @@ Import this module freely; vLLM is imported only inside the functions that need 
 from __future__ import annotations
 
 import gc
+import os
 import platform
 import sys
 import time
@@ -14,6 +15,30 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import Any, Iterator
 
 DRAFT_KV_ENV = "EAGLE3_DRAFT_KV_CACHE_DTYPE"
+# Set by tools/gpu/lab.py when several jobs share one GPU (--slots): a cap on each engine's
+# gpu_memory_utilization, and a fixed KV-cache size, which also skips vLLM's memory profiling
+# (it reads the device's free memory, which the other jobs change while it runs).
+GPU_UTIL_ENV = "SPECLAB_GPU_MEMORY_UTILIZATION"
+KV_BYTES_ENV = "SPECLAB_KV_CACHE_MEMORY_BYTES"
+
+
+def gpu_share(args: dict[str, Any], env=None) -> dict[str, Any]:
+    """`LLM(**args)` arguments limited to this job's share of the GPU ($SPECLAB_GPU_MEMORY_
+    UTILIZATION caps gpu_memory_utilization, $SPECLAB_KV_CACHE_MEMORY_BYTES sets
+    kv_cache_memory_bytes); unchanged when neither is set."""
+    env = os.environ if env is None else env
+    out = dict(args)
+    if env.get(GPU_UTIL_ENV):
+        cap = float(env[GPU_UTIL_ENV])
+        if not 0 < cap <= 1:
+            raise ValueError(f"{GPU_UTIL_ENV}={env[GPU_UTIL_ENV]}: want a fraction in (0, 1]")
+        out["gpu_memory_utilization"] = min(cap, out.get("gpu_memory_utilization", 0.9))
+    if env.get(KV_BYTES_ENV):
+        kv = int(env[KV_BYTES_ENV])
+        if kv <= 0:
+            raise ValueError(f"{KV_BYTES_ENV}={env[KV_BYTES_ENV]}: want a positive byte count")
+        out["kv_cache_memory_bytes"] = kv
+    return out
 
 
 def native_draft_kv_dtype() -> bool:
@@ -61,7 +86,7 @@ def engine_args(profile, point, target: str, draft: str | None,
             spec["kv_cache_dtype"] = point.draft_kv_cache_dtype
         args["speculative_config"] = spec
         env[DRAFT_KV_ENV] = point.draft_kv_cache_dtype
-    return args, env
+    return gpu_share(args), env
 
 
 def versions() -> dict[str, str | None]:

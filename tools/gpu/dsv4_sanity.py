@@ -43,7 +43,7 @@ def main() -> int:
     import torch
     from vllm import LLM, SamplingParams
 
-    from speclab import fixtures
+    from speclab import engine, fixtures
     from speclab.fixtures import dsv4_rigs
     from speclab.fixtures.dsv4_reference import DSV4Reference
 
@@ -52,9 +52,9 @@ def main() -> int:
     lengths = [7, 40, 150, 300, 700, 1500][: a.prompts]
     prompts = [dsv4_rigs.rig_prompt_token_ids(cfg["vocab_size"], n=1, length=n, seed=10 + i)[0]
                for i, n in enumerate(lengths)]
-    llm = LLM(model=str(target), kv_cache_dtype="fp8", enforce_eager=True,
-              skip_tokenizer_init=True, max_model_len=4096, max_num_seqs=8,
-              gpu_memory_utilization=0.4, seed=0)
+    llm = LLM(**engine.gpu_share(dict(  # lab.py --slots: this job's share of the GPU
+        model=str(target), kv_cache_dtype="fp8", enforce_eager=True, skip_tokenizer_init=True,
+        max_model_len=4096, max_num_seqs=8, gpu_memory_utilization=0.4, seed=0)))
     sp = SamplingParams(max_tokens=a.max_tokens, temperature=0, logprobs=a.topk,
                         prompt_logprobs=a.topk, ignore_eos=True, detokenize=False)
     batch = [{"prompt_token_ids": p} for p in prompts]

@@ -57,7 +57,8 @@ def report(out: Path) -> None:
         "compressor": ("triton (vLLM's compress_norm_rope_store_triton; CuTe DSL failed its "
                        "self-test)") if os.environ.get("DSV4_COMPRESSOR") == "triton"
         else "stock CuTe-DSL kernel",
-        "bundle_sha256": _read("/tmp/speclab_site/.bundle_sha256"),
+        "bundle_sha256": _read(f"{Path(os.environ['SPECLAB_SITE']).parent}/.bundle_sha256")
+        if "SPECLAB_SITE" in os.environ else None,
         "selftest": json.loads(_read(str(out.parent / "selftest.json")) or "null"),
         "overlay": overlay.status(probe=True),
     }

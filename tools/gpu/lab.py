@@ -1,17 +1,25 @@
 #!/usr/bin/env python3
 """Run the lab's GPU jobs on the device machine within one call's time, resuming across calls.
 
-    eval "$(bash tools/gpu/unpack.sh .stage/gpu)"
-    python3 tools/gpu/lab.py --out $OUT --deadline 540 [--only job,job] [--gpus 2]
+    eval "$(bash tools/gpu/unpack.sh .stage/gpu)"     # one bundle: vLLM 0.22 here
+    python3 tools/gpu/lab.py --vllm 0.22 --out $OUT --deadline 540 [--only job,job]
+        [--gpus 2] [--slots 3] [--no-warm-first]
 
-Jobs (JOBS below) run as subprocesses, each with its own log and timeout. Single-GPU jobs run
-two at a time when two GPUs are visible (one per GPU); two-GPU jobs wait for both. A job that
-finished in an earlier call on the same warm machine is skipped (state in /tmp/speclab_lab),
-and so is the set-up; the run folders earlier calls wrote are restored first (the device drops
-untracked files between calls), so sweep points resume. No job starts unless it can end
-before the deadline.
+Jobs (JOBS below) run as subprocesses, each with its own log and timeout. Each job names the
+vLLM release it needs (`vllm`, default 0.22); one invocation runs the jobs of the release the
+environment has, which --vllm must name, and every run folder carries it (STAMP). A job
+takes one or two GPUs; with --slots N up to N single-GPU jobs share one GPU, each with a
+share of its memory (engine.gpu_share: capped gpu_memory_utilization and a fixed KV cache).
+`exclusive` jobs (timing) have their GPUs to themselves; `after` jobs wait for the named
+jobs to end (JIT caches warm); with --warm-first (the default when --slots > 1) the first job
+runs alone. A job that finished in an earlier call on the same warm machine is skipped
+(state in /tmp/speclab_lab), and so is the set-up (per release); the run folders earlier
+calls wrote are restored first (the device drops untracked files between calls), so sweep
+points resume. No job starts unless it can end before the deadline.
 Everything the jobs wrote (data/runs/<run>/, logs) is packed into $OUT/results.tar.gz after
-every job, so a call that is cut short still returns what was done, with $OUT/summary.json."""
+every job, so a call that is cut short still returns what was done, with $OUT/summary.json.
+Stopping a job signals its process group and the process groups of every process it started
+(workers and servers run in sessions of their own), never anything else on the machine."""
 
 from __future__ import annotations
 
@@ -25,6 +33,7 @@ import sys
 import tarfile
 import threading
 import time
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -32,17 +41,37 @@ STATE = Path("/tmp/speclab_lab")
 PY = sys.executable
 SPECLAB = [PY, "-m", "speclab"]
 RUNS = REPO / "data" / "runs"
-# run-folder suffix: the date, or LAB_STAMP to keep a second session of the same day apart
-STAMP = os.environ.get("LAB_STAMP") or time.strftime("%Y%m%d")
 
-# name, GPUs, timeout (s), command, run folders it writes (under data/runs)
+
+def current_release() -> str | None:
+    """major.minor of the vLLM this environment has ($SPECLAB_VLLM from unpack.sh, else the
+    installed distribution), or None."""
+    full = os.environ.get("SPECLAB_VLLM")
+    if not full:
+        try:
+            full = version("vllm")
+        except PackageNotFoundError:
+            return None
+    return ".".join(full.split(".")[:2])
+
+
+RELEASE = current_release()
+# run-folder suffix: the date (or LAB_STAMP, to keep a second session of the same day apart)
+# and the vLLM release, e.g. 20261201-vllm022
+RELTAG = RELEASE and "vllm{}{:02d}".format(*map(int, RELEASE.split(".")))
+STAMP = "-".join(filter(None, (os.environ.get("LAB_STAMP") or time.strftime("%Y%m%d"), RELTAG)))
+
+# name, GPUs, timeout (s), command, run folders it writes (under data/runs); the vLLM release
+# it needs; jobs it must start after; whether it needs its GPUs to itself (timing)
 JOBS: list[dict] = []
 
 
 def job(name: str, gpus: int, timeout: int, cmd: list[str], runs: list[str], env=None,
-        expect_fail: bool = False):
+        expect_fail: bool = False, vllm: str = "0.22", after: tuple[str, ...] = (),
+        exclusive: bool = False):
     JOBS.append({"name": name, "gpus": gpus, "timeout": timeout, "cmd": cmd, "runs": runs,
-                 "env": env or {}, "expect_fail": expect_fail})
+                 "env": env or {}, "expect_fail": expect_fail, "vllm": vllm,
+                 "after": tuple(after), "exclusive": exclusive})
 
 
 def sweep(profile: str, run: str, *extra: str) -> list[str]:
@@ -59,7 +88,7 @@ TP1 = "*_tp1_*"
 # plain decoding against the transformers reference, the acceptance sweep, draft KV fp8, server
 # mode, compiled mode), the parity arms (one GPU, then TP=2 + EP), aux states, the cost
 # benchmark, and the stock error last (recorded before; it does not depend on the fixture).
-MHC = f"h200-mhc-check-{time.strftime('%Y%m%d')}"  # one folder per day for all sizes
+MHC = f"h200-mhc-check-{STAMP}"  # one folder per day for all sizes
 job("mhc-check", 1, 300, [PY, f"{T}/mhc_check.py", "--hidden", "4096", "--out",
                           f"data/runs/{MHC}/mhc_check_4096.json"], [MHC])
 job("rig", 1, 600, sweep("tiny-dsv4-rig", RIG), [RIG])
@@ -83,15 +112,24 @@ job("tp2-ep", 2, 900, ["bash", "-c", "; ".join(
     " ".join(sweep(p, r, "--with-parity", "--only", "'*tp2-ep*'"))
     for p, r in (("tiny-dsv4-h200", DIAL), ("tiny-dsv4-neartie-h200", NEAR)))], [DIAL, NEAR])
 job("aux-check", 1, 420, [PY, f"{T}/aux_check.py", "--run-dir", f"data/runs/{DIAL}"], [DIAL])
-# 3 rounds: the 2026-11-30 runs left 3 overlay-on runs against 1 off (h200-20261130-s4.md § 5)
-job("cost", 1, 600, [PY, f"{T}/overlay_cost.py", "--run-dir", f"data/runs/{DIAL}-cost",
-                     "--rounds", "3"],
-    [f"{DIAL}-cost"] + [f"{DIAL}-cost-overlay-{m}-r{r}" for m in ("auto", "off") for r in (0, 1, 2)])
+# The overlay's cost in one eager engine (tools/gpu/overlay_cost.py): installed-but-unused vs
+# vLLM's own forward, alternating per decode step, and the aux capture per verify step
+COST = f"h200-dsv4-cost-{STAMP}"
+job("cost", 1, 420, [PY, f"{T}/overlay_cost.py", "--run-dir", f"data/runs/{COST}"], [COST],
+    exclusive=True)
 job("sanity-neartie", 1, 420, [PY, f"{T}/dsv4_sanity.py", "--run-dir",
                                f"data/runs/{NEAR}/sanity", "--target", "neartie-dsv4"], [NEAR])
 job("stock-error", 1, 300, sweep("tiny-dsv4-rig", f"{RIG}-stock", "--only", "k3_*", "--override",
                                  '{"env": {"DSV4_EAGLE3_OVERLAY": "off"}, "overlay": "off"}'),
     [f"{RIG}-stock"], expect_fail=True)
+# vLLM 0.26 (bundle .stage/gpu026; issue 13): the same fixtures on the native DeepSeek-V4
+# EAGLE-3 support, and the native aux capture's cost
+job("rig-026", 1, 600, sweep("tiny-dsv4-rig", RIG), [RIG], vllm="0.26")
+job("dial-026", 1, 900, sweep("tiny-dsv4-h200", DIAL, "--only", "k0_*,k3_*dkv-auto*"), [DIAL],
+    vllm="0.26", after=("rig-026",))
+job("cost-026", 1, 420, [PY, f"{T}/overlay_cost.py", "--run-dir", f"data/runs/{COST}"], [COST],
+    vllm="0.26", exclusive=True)
+
 
 def log(msg: str, fh=None) -> None:
     line = f"[{time.strftime('%H:%M:%S')}] {msg}"
@@ -129,45 +167,111 @@ def restore(fh) -> None:
     log(f"restored {len(members)} files of earlier calls' run folders", fh)
 
 
-def stop(proc: subprocess.Popen) -> None:
-    """SIGTERM the job's group (speclab stops its workers and servers on the way out), then
-    SIGKILL whatever is left."""
-    for sig, wait in ((signal.SIGTERM, 25), (signal.SIGKILL, 10)):
+# job name -> pid -> (start time, process group) of every process the job started
+FAMILIES: dict[str, dict[int, tuple[float, int]]] = {}
+
+
+def family(pid: int) -> dict[int, tuple[float, int]]:
+    """pid -> (start time, process group) of a process and all its descendants."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return {}
+    out = {}
+    for p in procs:
         try:
-            os.killpg(proc.pid, sig)
-            proc.wait(timeout=wait)
-            return
-        except ProcessLookupError:
-            return
-        except subprocess.TimeoutExpired:
+            out[p.pid] = (p.create_time(), os.getpgid(p.pid))
+        except (psutil.NoSuchProcess, ProcessLookupError):
             continue
+    return out
 
 
-def run_job(j: dict, devices: str, fh, summary: dict, out: Path, lock: threading.Lock,
-            deadline: float) -> None:
-    logf = STATE / "logs" / f"{j['name']}.log"
+def signal_family(seen: dict[int, tuple[float, int]], sig: int) -> int:
+    """Send sig to the processes in seen that still run (same pid and start time) and to their
+    process groups (which also holds what they started since they were seen). Returns how
+    many of them still ran."""
+    import psutil
+
+    alive, groups = 0, set()
+    for pid, (started, pgid) in list(seen.items()):
+        try:
+            p = psutil.Process(pid)
+            if p.create_time() != started or p.status() == psutil.STATUS_ZOMBIE:
+                continue
+            os.kill(pid, sig)
+        except (psutil.NoSuchProcess, ProcessLookupError):
+            continue
+        alive += 1
+        groups.add(pgid)
+    for pgid in groups:
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            pass
+    return alive
+
+
+def stop(seen: dict[int, tuple[float, int]], grace: float = 25,
+         proc: subprocess.Popen | None = None) -> None:
+    """SIGTERM a job's processes (speclab stops its workers and servers on the way out), then
+    SIGKILL whatever is left after `grace` seconds; proc (the job itself) is reaped."""
+    if signal_family(seen, signal.SIGTERM):
+        end = time.time() + grace
+        while time.time() < end and signal_family(seen, 0):
+            time.sleep(0.5)
+        signal_family(seen, signal.SIGKILL)
+    if proc is not None:
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def job_env(j: dict, devices: str, slots: int, kv_gib: float) -> dict[str, str]:
+    """The job's environment: its GPUs, speclab from this checkout, and (when it shares a GPU
+    with other jobs) its share of the GPU's memory (speclab.engine.gpu_share)."""
     # DeepGEMM's warm-up compiles ~1800 kernels (15+ min) for shapes a tiny run never meets;
     # the sweep profiles skip it too, this covers the scripts that build an LLM themselves
     env = {"VLLM_DEEP_GEMM_WARMUP": "skip", **os.environ, **j["env"],
            "CUDA_VISIBLE_DEVICES": devices,
            "PYTHONPATH": f"{REPO / 'src'}:{os.environ.get('PYTHONPATH', '')}"}
+    if slots > 1 and not j["exclusive"] and j["gpus"] == 1:
+        env["SPECLAB_GPU_MEMORY_UTILIZATION"] = f"{0.9 / slots:.2f}"
+        env["SPECLAB_KV_CACHE_MEMORY_BYTES"] = str(int(kv_gib * 2**30))
+    return env
+
+
+def run_job(j: dict, devices: str, env: dict, fh, summary: dict, out: Path,
+            lock: threading.Lock, deadline: float) -> None:
+    logf = STATE / "logs" / f"{j['name']}.log"
     timeout = max(10, min(j["timeout"], deadline - time.time()))
     log(f"start {j['name']} on GPU {devices} (timeout {timeout:.0f} s)", fh)
     t0 = time.time()
+    seen: dict[int, tuple[float, int]] = {}
     with open(logf, "ab") as f:
         f.write(f"\n=== {time.ctime()} {' '.join(j['cmd'])}\n".encode())
         f.flush()
         proc = subprocess.Popen(j["cmd"], cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT,
                                 start_new_session=True)
-        try:
-            rc = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            stop(proc)
-            rc = "timeout"
+        FAMILIES[j["name"]] = seen
+        rc = None
+        while rc is None:  # note every process the job starts, to stop exactly those
+            seen.update(family(proc.pid))
+            try:
+                rc = proc.wait(timeout=1)
+            except subprocess.TimeoutExpired:
+                if time.time() - t0 > timeout:
+                    rc = "timeout"
+    stop(seen, proc=proc)  # on a timeout the job; otherwise what it left (an orphaned engine)
     wall = round(time.time() - t0, 1)
     tail = logf.read_text(errors="replace").splitlines()[-15:]
     with lock:
-        summary["jobs"][j["name"]] = {"rc": rc, "wall_s": wall, "gpus": devices, "tail": tail}
+        summary["jobs"][j["name"]] = {"rc": rc, "wall_s": wall, "gpus": devices,
+                                      "started": round(t0 - summary["t0"], 1), "tail": tail,
+                                      "shared_gpu": env.get("SPECLAB_GPU_MEMORY_UTILIZATION")}
         if rc == 0 or (j["expect_fail"] and rc != "timeout"):
             done = set(json.loads((STATE / "done.json").read_text())) if (
                 STATE / "done.json").exists() else set()
@@ -177,13 +281,14 @@ def run_job(j: dict, devices: str, fh, summary: dict, out: Path, lock: threading
 
 
 def setup(fh) -> None:
-    """Once per machine: the overlay's .pth into the bundle's site dir (processed by every
-    Python process through the bundle's sitecustomize), an RTLD_GLOBAL preload of libnvrtc
-    that TileLang needs, the fixtures, and an environment report."""
-    marker = STATE / "setup.json"
+    """Once per machine and release: the overlay's .pth into the bundle's site dir (processed
+    by every Python process through the bundle's sitecustomize; it patches only what the
+    release lacks), an RTLD_GLOBAL preload of libnvrtc that TileLang needs, the fixtures, and
+    an environment report."""
+    marker = STATE / f"setup-{RELEASE}.json"
     if marker.exists():
         os.environ.update(json.loads(marker.read_text()))
-        log("setup: done by an earlier call on this machine", fh)
+        log(f"setup: done for vLLM {RELEASE} by an earlier call on this machine", fh)
         return
     site = os.environ["SPECLAB_SITE"]
     env = {**os.environ, "PYTHONPATH": f"{REPO / 'src'}:{os.environ.get('PYTHONPATH', '')}"}
@@ -220,7 +325,7 @@ def save_jit_cache(out: Path, fh) -> None:
     dirs = [os.path.expanduser(d) for d in JIT_CACHES if os.path.isdir(os.path.expanduser(d))]
     if not dirs:
         return
-    dest = out / "jit-cache.tar.gz"
+    dest = out / f"jit-cache-{RELTAG}.tar.gz"
     subprocess.run(["tar", "czf", str(dest), *dirs], check=False, capture_output=True)
     size = dest.stat().st_size if dest.exists() else 0
     sizes = subprocess.run(["du", "-sh", *dirs], capture_output=True, text=True).stdout
@@ -229,56 +334,110 @@ def save_jit_cache(out: Path, fh) -> None:
         dest.unlink()
 
 
+def pick(todo: list[dict], free: dict[str, int], slots: int, ended: set[str],
+         running: set[str], alone: bool) -> tuple[dict, list[str]] | None:
+    """The next job to start and its GPUs, or None. Jobs go in list order; a job waiting for
+    GPUs holds back every job after it (no overtaking), a job waiting for its `after` jobs
+    does not. free: GPU -> free slots (`slots` each). alone: start nothing while a job runs
+    (--warm-first until the first job ends)."""
+    if alone and running:
+        return None
+    for j in todo:
+        waiting = [a for a in j["after"] if a not in ended and (
+            a in running or any(t["name"] == a for t in todo))]
+        if waiting:
+            continue
+        if j["gpus"] > 1 or j["exclusive"]:
+            idle = sorted(g for g, n in free.items() if n == slots)
+            return (j, idle[: j["gpus"]]) if len(idle) >= j["gpus"] else None
+        best = max(sorted(free), key=lambda g: free[g])
+        if free[best] == 0:
+            return None
+        return j, [best]
+    return None
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--vllm", required=True, help="the release this environment has, e.g. "
+                    "0.22 (jobs for other releases are skipped)")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--deadline", type=float, default=540, help="seconds from now")
     ap.add_argument("--only", help="comma-separated job names, run in this order "
-                    "(default: all not yet done, in priority order)")
+                    "(default: all of this release not yet done, in priority order)")
     ap.add_argument("--gpus", type=int, default=None, help="GPUs to use (default: all visible)")
+    ap.add_argument("--slots", type=int, default=1,
+                    help="single-GPU jobs at once per GPU (default 1)")
+    ap.add_argument("--warm-first", action=argparse.BooleanOptionalAction, default=None,
+                    help="run the first job alone, so that it fills the JIT caches (default: "
+                    "on when --slots > 1)")
+    ap.add_argument("--kv-gib", type=float, default=4,
+                    help="KV cache per job when jobs share a GPU (default 4 GiB)")
     ap.add_argument("--min-left", type=float, default=60,
                     help="do not start a job with less time than this left")
     a = ap.parse_args()
-    names = a.only.split(",") if a.only else [j["name"] for j in JOBS]
-    unknown = set(names) - {j["name"] for j in JOBS}
+    if a.vllm != RELEASE:
+        ap.error(f"--vllm {a.vllm}, but this environment has vLLM {RELEASE} "
+                 "(eval the unpack.sh line of the bundle you mean)")
+    if a.slots < 1:
+        ap.error("--slots wants 1 or more")
+    known = {j["name"]: j for j in JOBS}
+    names = a.only.split(",") if a.only else [j["name"] for j in JOBS if j["vllm"] == RELEASE]
+    unknown = [n for n in names if n not in known]
     if unknown:
-        ap.error(f"unknown jobs {sorted(unknown)}; known: {[j['name'] for j in JOBS]}")
+        ap.error(f"unknown jobs {unknown}; known: {sorted(known)}")
+    other = [n for n in names if known[n]["vllm"] != RELEASE]
+    if other:
+        ap.error(f"jobs {other} need another vLLM release than {RELEASE}")
     deadline = time.time() + a.deadline
     (STATE / "logs").mkdir(parents=True, exist_ok=True)
     a.out.mkdir(parents=True, exist_ok=True)
-    import torch
+    if a.gpus is None:
+        import torch
 
-    ngpu = a.gpus or torch.cuda.device_count()
+        a.gpus = torch.cuda.device_count()
     done = set(json.loads((STATE / "done.json").read_text())) if (STATE / "done.json").exists() \
         else set()
-    todo = [next(j for j in JOBS if j["name"] == n) for n in names if n not in done]
-    todo = [j for j in todo if j["gpus"] <= ngpu]
-    summary = {"started": time.ctime(), "gpus": ngpu, "skipped_done": sorted(done), "jobs": {}}
+    todo = [known[n] for n in names if n not in done and known[n]["gpus"] <= a.gpus]
+    warm_first = a.slots > 1 if a.warm_first is None else a.warm_first
+    summary = {"started": time.ctime(), "t0": time.time(), "vllm": RELEASE, "gpus": a.gpus,
+               "slots": a.slots, "skipped_done": sorted(done & set(names)), "jobs": {}}
     lock = threading.Lock()
     fh = open(a.out / "driver.log", "a")
-    log(f"{ngpu} GPU(s); jobs to run: {[j['name'] for j in todo]}", fh)
+    log(f"vLLM {RELEASE}, {a.gpus} GPU(s) x {a.slots} slot(s); jobs to run: "
+        f"{[j['name'] for j in todo]}", fh)
     restore(fh)
     setup(fh)
-    free = [str(i) for i in range(ngpu)]
+    free = {str(g): a.slots for g in range(a.gpus)}
+    ended: set[str] = set()
+    running: set[str] = set()
     threads: list[threading.Thread] = []
     while todo:
-        threads = [t for t in threads if t.is_alive()]
         if deadline - time.time() < a.min_left:
             log(f"deadline: not started {[j['name'] for j in todo]}", fh)
             break
-        j = todo[0]
-        if j["gpus"] > len(free):
-            time.sleep(2)
+        with lock:
+            choice = pick(todo, free, a.slots, ended, running, warm_first and not ended)
+            if choice is not None:
+                j, devs = choice
+                todo.remove(j)
+                running.add(j["name"])
+                for g in devs:
+                    free[g] -= a.slots if (j["gpus"] > 1 or j["exclusive"]) else 1
+        if choice is None:
+            time.sleep(1)
             continue
-        todo.pop(0)
-        devs = [free.pop(0) for _ in range(j["gpus"])]
+        env = job_env(j, ",".join(devs), a.slots, a.kv_gib)
 
-        def target(j=j, devs=devs):
+        def target(j=j, devs=devs, env=env):
             try:
-                run_job(j, ",".join(devs), fh, summary, a.out, lock, deadline)
+                run_job(j, ",".join(devs), env, fh, summary, a.out, lock, deadline)
             finally:
-                free.extend(devs)
-                free.sort()
+                with lock:
+                    for g in devs:
+                        free[g] += a.slots if (j["gpus"] > 1 or j["exclusive"]) else 1
+                    running.discard(j["name"])
+                    ended.add(j["name"])
 
         t = threading.Thread(target=target)
         t.start()
@@ -286,9 +445,17 @@ def main() -> int:
         time.sleep(1)
     for t in threads:
         t.join(timeout=max(1, deadline + 30 - time.time()))
-    # safety net: no engine or server may outlive this call and hold GPU memory
-    subprocess.run(["pkill", "-9", "-f", "speclab.worker|vllm.entrypoints"], check=False)
+    # safety net: no engine or server a job started may outlive this call and hold GPU memory
+    # (only the processes lab.py's jobs started: nothing else on the machine is touched)
+    for seen in list(FAMILIES.values()):
+        stop(seen, grace=5)
     save_jit_cache(a.out, fh)
+    jobs = summary["jobs"]
+    for n, r in jobs.items():  # timing of a job that shared its GPU is not a measurement
+        r["overlapped_with"] = sorted(
+            m for m, q in jobs.items() if m != n and set(q["gpus"].split(",")) & set(
+                r["gpus"].split(",")) and q["started"] < r["started"] + r["wall_s"]
+            and r["started"] < q["started"] + q["wall_s"])
     summary["not_started"] = [j["name"] for j in todo]
     summary["finished"] = time.ctime()
     pack(a.out, summary, lock)

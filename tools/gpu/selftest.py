@@ -7,9 +7,11 @@ Checks, each reported as ok/FAIL with the error, never stopping at the first:
   site      the bundle's sitecustomize ran: cutlass's .pth path is on sys.path,
             also in a multiprocessing *spawn* child (as vLLM's engine core)
   imports   cutlass, quack.compile_utils, tilelang, vllm and the modules of our
-            code paths (api_server, cli, DeepSeek-V4 + its CuTe-DSL compressor,
-            EAGLE-3, FlashMLA/FA3 extensions, _moe_C)
-  serve     `vllm serve --help` (builds the whole CLI, imports every subcommand)
+            code paths (DeepSeek-V4 + its CuTe-DSL compressor, EAGLE-3, FlashMLA/FA3
+            extensions, the MoE ops; api_server and cli where the bundle has
+            `vllm serve`), per vLLM release (RELEASES)
+  serve     `vllm serve --help` (builds the whole CLI, imports every subcommand);
+            only for a bundle that carries `vllm serve`
   jit       a CuTe-DSL kernel JIT-compiled and run on the GPU (the path the
             DeepSeek-V4 main KV compressor takes); checks c == a + b
 Exit 0 when all selected checks pass.
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.metadata
 import json
 import multiprocessing as mp
 import os
@@ -28,35 +31,53 @@ import traceback
 
 IMPORTS = [
     "cutlass", "cutlass.cute", "quack.compile_utils", "tilelang",
-    "vllm", "vllm._C", "vllm._moe_C", "vllm.vllm_flash_attn",
-    "vllm.entrypoints.llm", "vllm.entrypoints.cli.main", "vllm.entrypoints.openai.api_server",
+    "vllm", "vllm.vllm_flash_attn", "vllm.entrypoints.llm",
     "vllm.v1.engine.core", "vllm.v1.worker.gpu_model_runner",
     "vllm.v1.spec_decode.eagle", "vllm.model_executor.models.llama_eagle3",
     "vllm.models.deepseek_v4",
     "vllm.models.deepseek_v4.nvidia.ops.sparse_attn_compress_cutedsl",
     "vllm.model_executor.layers.quantization.fp8",
     "vllm.v1.attention.backends.mla.flashmla_sparse",
+]
+SERVE_IMPORTS = [
+    "vllm.entrypoints.cli.main", "vllm.entrypoints.openai.api_server",
     "mistral_common", "uvicorn", "prometheus_fastapi_instrumentator",
     "model_hosting_container_standards.sagemaker", "watchfiles",
 ]
+# Per release (major.minor): its CUDA extensions, whether the bundle carries `vllm
+# serve`, and the folder cutlass-dsl's .pth puts on sys.path.
+RELEASES = {
+    "0.22": {"extensions": ["vllm._C", "vllm._moe_C"], "serve": True,
+             "cutlass_dir": "python_packages"},
+    "0.26": {"extensions": ["vllm._C_stable_libtorch", "vllm._moe_C_stable_libtorch"],
+             "serve": False, "cutlass_dir": "dsl_packages"},
+}
 
 
-def cutlass_on_path() -> bool:
-    return any(p.endswith(os.path.join("nvidia_cutlass_dsl", "python_packages")) for p in sys.path)
+def release() -> dict:
+    version = importlib.metadata.version("vllm")
+    rel = RELEASES.get(".".join(version.split(".")[:2]))
+    if rel is None:
+        sys.exit(f"vLLM {version}: no bundle release in selftest.RELEASES {sorted(RELEASES)}")
+    return {**rel, "version": version}
 
 
-def _child(q):
-    q.put((cutlass_on_path(), os.environ.get("SPECLAB_SITE")))
+def cutlass_on_path(folder: str) -> bool:
+    return any(p.endswith(os.path.join("nvidia_cutlass_dsl", folder)) for p in sys.path)
 
 
-def check_site():
+def _child(q, folder):
+    q.put((cutlass_on_path(folder), os.environ.get("SPECLAB_SITE")))
+
+
+def check_site(folder: str):
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    p = ctx.Process(target=_child, args=(q,))
+    p = ctx.Process(target=_child, args=(q, folder))
     p.start()
     child = q.get(timeout=120)
     p.join()
-    assert cutlass_on_path(), "nvidia_cutlass_dsl/python_packages not on sys.path (sitecustomize?)"
+    assert cutlass_on_path(folder), f"nvidia_cutlass_dsl/{folder} not on sys.path (sitecustomize?)"
     assert child[0], "spawn child: cutlass path missing"
     return f"SPECLAB_SITE={os.environ.get('SPECLAB_SITE')}; spawn child ok"
 
@@ -120,10 +141,13 @@ def main():
         shown = msg if not ok or name in ("site", "serve", "jit") else ""
         print(f"{'ok  ' if ok else 'FAIL'} {name:70s} {time.time() - t:6.1f}s  {shown}", flush=True)
 
-    run("site", check_site)
-    for m in IMPORTS:
+    rel = release()
+    serve = rel["serve"] and not a.no_serve
+    print(f"vLLM {rel['version']} bundle ({'with' if serve else 'without'} serve checks)")
+    run("site", lambda: check_site(rel["cutlass_dir"]))
+    for m in IMPORTS + rel["extensions"] + (SERVE_IMPORTS if serve else []):
         run(m, lambda m=m: (importlib.import_module(m), "")[1])
-    if not a.no_serve:
+    if serve:
         run("serve", check_serve)
     if not a.no_jit:
         run("jit", check_jit)

@@ -1,129 +1,138 @@
 #!/usr/bin/env python3
-"""What the overlay costs (device job).
+"""What the overlay costs, in one eager engine (device job; one call of ~2-4 minutes).
 
-1. Plain decoding (no draft) with the overlay active vs switched off
-   (DSV4_EAGLE3_OVERLAY=off: vLLM's stock classes), alternating on/off/on/off engine runs of
-   the tiny-dsv4-h200 profile's plain point with longer outputs; throughput from each run.
-2. Aux capture per step: the extra work when aux layers are set is, per captured layer, one
-   mHC post-mix (vLLM's own TileLang op) plus a mean over the hyper-connection streams.
-   Timed with CUDA events at the tiny model's width and at V4-Flash's (4096), for several
-   token counts.
-Writes RUN_DIR/cost.json after each step (the runs go to RUN_DIR-overlay-<mode>-r<n>/), so a
-call cut short keeps what it measured; --summarize rebuilds it from those folders (no GPU)."""
+    python3 tools/gpu/overlay_cost.py --run-dir data/runs/h200-dsv4-cost-<stamp>
+    python3 tools/gpu/overlay_cost.py --summarize RUN_DIR          # any machine
+    python3 tools/gpu/overlay_cost.py --compare RUN_DIR RUN_DIR --out FILE.md
+
+One in-process plain engine on the dial-dsv4 target (hidden 4096, block-FP8, fp8 KV cache,
+enforce_eager). speclab.cost.StepTimer replaces DeepseekV4Model.forward with a timing wrapper
+that alternates two variants per decode step (CUDA-synchronised), `--rounds` generate calls
+per experiment (see speclab.cost for the design and its argument):
+  unused    the overlay's forward, installed with no aux layers, vs vLLM's own forward
+            (`_dsv4_overlay_original_forward`); vLLM 0.22 + overlay only
+  aux-T4    3 aux layers captured vs none at 4 tokens per step (4 sequences: a k=3 verify
+            step of 1 sequence); the overlay's forward on 0.22, vLLM's own on 0.26
+  aux-T32   the same at 32 tokens per step (8 sequences at k=3)
+Writes RUN_DIR/steps.parquet (every forward call), cost.json (versions, GPU, command, date,
+settings, per-experiment ratio / extra ms with 95 % CI) and cost.md (short summary)."""
+
+from __future__ import annotations
 
 import argparse
 import json
-import subprocess
+import os
 import sys
 import time
 from pathlib import Path
 
+import pandas as pd
 
-def engine_runs(run_dir: Path, rounds: int, max_tokens: int, after_each) -> None:
-    """Alternate overlay on/off plain runs, each into its own run folder next to run_dir
-    (finished ones are kept: sweep resumes), calling after_each() after every run."""
-    for r in range(rounds):
-        for mode in ("auto", "off"):
-            run_id = f"{run_dir.name}-overlay-{mode}-r{r}"
-            over = {"env": {"DSV4_EAGLE3_OVERLAY": mode}, "max_tokens": max_tokens}
-            subprocess.run([sys.executable, "-m", "speclab", "sweep", "--profile",
-                            "tiny-dsv4-h200", "--run-id", run_id, "--only", "k0_*",
-                            "--override", json.dumps(over)], check=False)
-            after_each()
+from speclab import cost
 
 
-def plain_runs(run_dir: Path) -> list[dict]:
-    """Every finished plain run in the `<run_dir>-overlay-*` folders: overlay mode (from the
-    run's profile), throughput and the median decode step."""
-    import numpy as np
-    import pandas as pd
-
-    out = []
-    for run in sorted(run_dir.parent.glob(f"{run_dir.name}-overlay-*")):
-        mode = json.loads((run / "profile.json").read_text())["env"].get(
-            "DSV4_EAGLE3_OVERLAY", "auto")
-        for meta in sorted((run / "points").glob("*.json")):
-            m = json.loads(meta.read_text())
-            if m.get("status") != "ok":
-                continue
-            steps = pd.read_parquet(meta.with_suffix(".parquet")).step_times
-            dt = np.concatenate([np.diff(np.asarray(t)) for t in steps])
-            out.append({"run": run.name, "overlay": mode, "started_at": m["started_at"],
-                        "throughput_tok_s": m["throughput_tok_s"],
-                        "generate_s": m["timings"]["generate_s"],
-                        "median_step_ms": float(np.median(dt) * 1e3),
-                        "p90_step_ms": float(np.percentile(dt, 90) * 1e3)})
-    return out
-
-
-def summarize(run_dir: Path, result: dict) -> dict:
-    """result with plain_runs and on/off ratios (means over runs) from the run folders."""
-    runs = plain_runs(run_dir)
-    result = {**result, "plain_runs": runs}
-    on = [r for r in runs if r["overlay"] == "auto"]
-    off = [r for r in runs if r["overlay"] == "off"]
-    for key in ("throughput_tok_s", "median_step_ms"):
-        if on and off:
-            mean_on = sum(r[key] for r in on) / len(on)
-            mean_off = sum(r[key] for r in off) / len(off)
-            result[f"{key}_on_over_off"] = mean_on / mean_off
-    result["n_on"], result["n_off"] = len(on), len(off)
+def summarize(run_dir: Path, meta: dict) -> dict:
+    steps = pd.read_parquet(run_dir / "steps.parquet")
+    result = {**meta, "rounds": cost.rounds(steps).to_dict("records"),
+              "experiments": cost.summarize(steps)}
+    (run_dir / "cost.json").write_text(json.dumps(result, indent=1, default=str))
+    (run_dir / "cost.md").write_text(cost.markdown(result))
     return result
 
 
-def aux_capture_cost(widths=(512, 4096), tokens=(1, 8, 64, 512, 4096), iters=200) -> list[dict]:
+def model_class(llm):
+    """DeepseekV4Model of an in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
+    core = llm.llm_engine.engine_core.engine_core
+    runner = core.model_executor.driver_worker.worker.model_runner
+    inner = runner.model.model
+    if type(inner).__name__ != "DeepseekV4Model":
+        raise SystemExit(f"expected a DeepseekV4Model inside the runner, got {type(inner)}")
+    return type(inner)
+
+
+def measure(a: argparse.Namespace) -> dict:
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the model lives in this process
     import torch
+    from vllm import LLM, SamplingParams
 
-    import vllm.model_executor.kernels.mhc  # noqa: F401  (registers the ops)
+    from speclab import engine, fixtures
+    from speclab.fixtures import dsv4_rigs
 
-    post = torch.ops.vllm.mhc_post_tilelang
-    rows = []
-    for h in widths:
-        for t in tokens:
-            x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
-            res = torch.randn(t, 4, h, device="cuda", dtype=torch.bfloat16)
-            pm = torch.rand(t, 4, 1, device="cuda", dtype=torch.float32)
-            cm = torch.rand(t, 4, 4, device="cuda", dtype=torch.float32)
-            for _ in range(10):
-                post(x, res, pm, cm).mean(dim=1)
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda.synchronize()
-            start.record()
-            for _ in range(iters):
-                post(x, res, pm, cm).mean(dim=1)
-            end.record()
-            torch.cuda.synchronize()
-            rows.append({"hidden": h, "tokens": t,
-                         "us_per_layer": start.elapsed_time(end) * 1000 / iters})
-    return rows
+    target = fixtures.build(a.target)
+    vocab = json.loads((Path(target) / "config.json").read_text())["vocab_size"]
+    args = engine.gpu_share(dict(
+        model=str(target), kv_cache_dtype="fp8", enforce_eager=True, skip_tokenizer_init=True,
+        max_model_len=4096, max_num_seqs=32, max_num_batched_tokens=4096,
+        gpu_memory_utilization=0.4, seed=0))
+    t0 = time.time()
+    llm = LLM(**args)
+    startup = time.time() - t0
+    cls = model_class(llm)
+    current = cls.__dict__["forward"]
+    stock = getattr(cls, "_dsv4_overlay_original_forward", None)
+    variants = {"noaux": current, "aux": cost.with_aux(current, tuple(a.aux_layers))}
+    experiments = [(f"aux-T{4 * s}", 4 * s) for s in (1, 8)]
+    if stock is not None:  # the overlay patched this vLLM: its forward vs vLLM's own
+        variants.update(overlay=current, stock=stock)
+        experiments.insert(0, ("unused", 8))
+    timer = cost.StepTimer(cls, variants, torch.cuda.synchronize)
+    sp = SamplingParams(max_tokens=a.max_tokens, temperature=0, ignore_eos=True,
+                        detokenize=False)
+    with timer.installed():
+        for exp, seqs in experiments:
+            prompts = [{"prompt_token_ids": p} for p in dsv4_rigs.rig_prompt_token_ids(
+                vocab, n=seqs, length=a.prompt_len, seed=seqs, max_tokens=a.max_tokens)]
+            for r in (-2, -1, *range(a.rounds)):  # two untimed rounds: JIT for both variants
+                timer.start(exp, round_=r, seqs=seqs)
+                llm.generate(prompts, sp, use_tqdm=False)
+            print(f"{exp}: {a.rounds} rounds done ({time.time() - t0:.0f} s)", flush=True)
+    steps = pd.DataFrame(timer.records)
+    steps = steps[steps["round"] >= 0]
+    a.run_dir.mkdir(parents=True, exist_ok=True)
+    steps.to_parquet(a.run_dir / "steps.parquet")
+    overlay = sys.modules.get("deepseek_v4_eagle3_aux")
+    return {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "command": " ".join(sys.argv),
+            "versions": engine.versions(), "engine_args": args, "startup_s": round(startup, 1),
+            "overlay": overlay.report() if overlay and stock is not None else None,
+            "settings": {"rounds": a.rounds, "max_tokens": a.max_tokens,
+                         "prompt_len": a.prompt_len, "aux_layers": a.aux_layers,
+                         "target": a.target, "experiments": dict(experiments)}}
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--run-dir", type=Path, required=True)
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--max-tokens", type=int, default=256)
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--run-dir", type=Path)
+    ap.add_argument("--target", default="dial-dsv4")
+    ap.add_argument("--rounds", type=int, default=10, help="generate calls per experiment")
+    ap.add_argument("--max-tokens", type=int, default=64, help="decode steps per round")
+    ap.add_argument("--prompt-len", type=int, default=24)
+    ap.add_argument("--aux-layers", type=lambda s: [int(x) for x in s.split(",")],
+                    default=[1, 2, 3], help="captured after these layers (3, as EAGLE-3)")
     ap.add_argument("--summarize", action="store_true",
-                    help="only rebuild cost.json from the run folders already there (no GPU)")
+                    help="only rebuild cost.json/cost.md from RUN_DIR/steps.parquet (no GPU)")
+    ap.add_argument("--compare", type=Path, nargs="+", help="cost run folders to tabulate")
+    ap.add_argument("--out", type=Path, help="--compare: markdown file")
     a = ap.parse_args()
-    a.run_dir.mkdir(parents=True, exist_ok=True)
-    path = a.run_dir / "cost.json"
-    result = json.loads(path.read_text()) if path.exists() else {}
-    result.update({"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "command": " ".join(sys.argv)})
-
-    def write() -> None:
-        nonlocal result
-        result = summarize(a.run_dir, result)
-        path.write_text(json.dumps(result, indent=1))
-
-    if not a.summarize:
-        if "aux_capture" not in result:  # kept from an earlier, interrupted call
-            result["aux_capture"] = aux_capture_cost()
-            write()
-        engine_runs(a.run_dir, a.rounds, a.max_tokens, write)
-    write()
-    print(json.dumps({k: v for k, v in result.items() if k not in ("aux_capture", "plain_runs")},
-                     indent=1))
+    if a.compare:
+        results = [json.loads((d / "cost.json").read_text()) for d in a.compare]
+        text = cost.compare_markdown(results)
+        if a.out:
+            a.out.write_text(text)
+        print(text)
+        return 0
+    if a.run_dir is None:
+        ap.error("--run-dir is needed")
+    if a.rounds < 5:
+        ap.error("--rounds: at least 5 (a 95 % interval over fewer is too wide to settle it)")
+    if a.summarize:
+        meta = json.loads((a.run_dir / "cost.json").read_text())
+        meta = {k: v for k, v in meta.items() if k not in ("rounds", "experiments")}
+    else:
+        meta = measure(a)
+    result = summarize(a.run_dir, meta)
+    print((a.run_dir / "cost.md").read_text())
+    print(json.dumps({e: {k: r[k] for k in ("ratio", "diff_ms")}
+                      for e, r in result["experiments"].items()}, indent=1))
     return 0
 
 

@@ -44,10 +44,11 @@ def model_class(llm):
     """DeepseekV4Model of an in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
     core = llm.llm_engine.engine_core.engine_core
     runner = core.model_executor.driver_worker.worker.model_runner
-    inner = runner.model.model
-    if type(inner).__name__ != "DeepseekV4Model":
-        raise SystemExit(f"expected a DeepseekV4Model inside the runner, got {type(inner)}")
-    return type(inner)
+    found = {type(m) for m in runner.model.modules() if type(m).__name__ == "DeepseekV4Model"}
+    if len(found) != 1:
+        raise SystemExit(f"expected one DeepseekV4Model class in {type(runner.model)}, "
+                         f"found {found}")
+    return found.pop()
 
 
 def measure(a: argparse.Namespace) -> dict:

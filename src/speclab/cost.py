@@ -89,9 +89,12 @@ class StepTimer:
     def _forward(self, model, *args, **kwargs):
         if self.experiment is None:
             raise RuntimeError("StepTimer: start() an experiment before generating")
-        ids = args[0] if args else kwargs.get("input_ids")
+        # forward(input_ids, positions, intermediate_tensors, inputs_embeds=None)
+        named = dict(zip(("input_ids", "positions", "intermediate_tensors", "inputs_embeds"),
+                         args), **kwargs)
+        ids = named.get("input_ids")
         if ids is None:
-            ids = kwargs.get("inputs_embeds")
+            ids = named["inputs_embeds"]
         variant = variant_for(self.pair, self.round, self.call)
         self.sync()
         t0 = time.perf_counter()

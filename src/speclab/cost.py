@@ -27,8 +27,9 @@ t-interval. Experiments:
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -108,7 +109,7 @@ class StepTimer:
         return out
 
     @contextmanager
-    def installed(self) -> Iterator["StepTimer"]:
+    def installed(self) -> Iterator[StepTimer]:
         original = self.cls.__dict__["forward"]
         timer = self
 
@@ -161,7 +162,7 @@ def mean_ci(values, level: float = 0.95) -> dict:
         raise ValueError(f"a confidence interval needs 2+ rounds, got {len(v)}")
     half = stats.t.ppf(0.5 + level / 2, len(v) - 1) * v.std(ddof=1) / np.sqrt(len(v))
     return {"mean": float(v.mean()), "lo": float(v.mean() - half), "hi": float(v.mean() + half),
-            "n": int(len(v)), "level": level}
+            "n": len(v), "level": level}
 
 
 def summarize(steps: pd.DataFrame) -> dict:
@@ -172,7 +173,7 @@ def summarize(steps: pd.DataFrame) -> dict:
     out = {}
     for exp, g in table.groupby("experiment"):
         a, b = PAIRS[exp.split("-")[0]]
-        res = {"variants": [a, b], "rounds": int(len(g)), "steps": int(g.steps.sum()),
+        res = {"variants": [a, b], "rounds": len(g), "steps": int(g.steps.sum()),
                "tokens": int(steps[steps.experiment == exp].seqs.iloc[0]),
                "forward_ms_a": float(g.forward_ms_a.median()),
                "forward_ms_b": float(g.forward_ms_b.median()),

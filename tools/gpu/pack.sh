@@ -77,6 +77,7 @@ write_parts() {
   local dir=$1 name parts n=0 first f sha
   rm -rf "$OUT" "$dir"/part.*
   mkdir -p "$OUT"
+  : > "$dir/parts"
   sha=$(while read -r name; do cat "$dir/layer.$name.tar.xz"; done < "$dir/layers" | sha256sum | cut -d' ' -f1)
   {
     echo "# speclab GPU bundle (tools/gpu/pack.sh); checked by tools/gpu/unpack.sh"

@@ -16,11 +16,10 @@ Two checks, each against "the device image (KINDS.md) + the bundle":
    we knowingly leave out are listed under WAIVED with the reason; anything else
    unmet is a FAIL.
 
-2. Imports. trace_imports.py walks vLLM's sources from the entry points the
-   bundle carries (offline LLM, EAGLE-3, DeepSeek-V4, quantization; plus
-   `vllm serve` where the bundle has it, see BUNDLES); every third-party module
-   imported at module level ("hard"), or under an `if` ("cond"), must come from
-   the bundle or the image, unless WAIVED.
+2. Imports. trace_imports.py walks vLLM's sources from the entry points speclab
+   uses (offline LLM, `vllm serve`, EAGLE-3, DeepSeek-V4, quantization); every
+   third-party module imported at module level ("hard"), or under an `if`
+   ("cond"), must come from the bundle or the image, unless WAIVED.
 
 Exit status 0 when nothing FAILs.
 """
@@ -128,29 +127,12 @@ WAIVED = {
     "torchcodec": "video decoding for multimodal inputs (try/except and function-level imports)",
     "pynvvideocodec": "NVIDIA video decoding for multimodal inputs (function-level import)",
     "nvtx": "only vllm/v1/utils.py's NVTX profiling range (function-level import)",
-    "jsonschema": "no module of vLLM 0.26 imports it",
 }
 
-# `vllm serve` and what only it imports: waived where the bundle leaves serving out.
-SERVE_ONLY = {
-    "uvicorn": "entrypoints/launcher.py (`vllm serve`)",
-    "watchfiles": "entrypoints/serve/utils/ssl.py, imported by the launcher (`vllm serve`)",
-    "prometheus-fastapi-instrumentator": "/metrics of `vllm serve`",
-    "prometheus_fastapi_instrumentator": "/metrics of `vllm serve`",
-    "model-hosting-container-standards": "sagemaker routes of `vllm serve`",
-    "model_hosting_container_standards": "sagemaker routes of `vllm serve`",
-    "mistral-common": "Mistral tokenizers and tool parsers (`vllm serve` chain, Mistral models); "
-        "the offline path imports it only under `if` for a Mistral tokenizer",
-    "mistral_common": "see mistral-common",
-    "ijson": "tool parsers of `vllm serve`",
-    "python-multipart": "fastapi[standard]: Form()/UploadFile routes of `vllm serve`",
-    "pydantic-extra-types": "fastapi[standard] and mistral_common; vLLM does not import it",
-}
-
-# Per release: the tree pack.sh lays out, and whether `vllm serve` is carried.
-BUNDLES = {
-    "0.22.0": {"site": "/tmp/speclab_gpu_pack/tree/site", "serve": True},
-    "0.26.0": {"site": "/tmp/speclab_gpu_pack026/tree/site", "serve": False},
+# The tree pack.sh lays out for each release.
+SITES = {
+    "0.22.0": "/tmp/speclab_gpu_pack/tree/site",
+    "0.26.0": "/tmp/speclab_gpu_pack026/tree/site",
 }
 
 
@@ -229,7 +211,7 @@ def active_requirements(requires: list[str], extras=()):
     return out
 
 
-def check_requires(site: str, image: set[str], image_ver: dict[str, str], waived: dict):
+def check_requires(site: str, image: set[str], image_ver: dict[str, str]):
     dists = bundle_dists(site)
     rows = []
     todo = [(d, info["requires"], ()) for d, info in
@@ -257,8 +239,8 @@ def check_requires(site: str, image: set[str], image_ver: dict[str, str], waived
                 status = ("FAIL", "missing")
             if status[0] == "FAIL":
                 for key in (f"{dname}: {n}", n):
-                    if key in waived:
-                        status = ("WAIVED", waived[key])
+                    if key in WAIVED:
+                        status = ("WAIVED", WAIVED[key])
                         break
             # `pkg[extra]`: check what the extra adds, once per (pkg, extra)
             if r.extras and n in dists and (n, tuple(sorted(r.extras))) not in done_extras:
@@ -269,7 +251,7 @@ def check_requires(site: str, image: set[str], image_ver: dict[str, str], waived
     return dists, rows
 
 
-def check_imports(trace: dict, site_mods: set[str], image: set[str], waived: dict):
+def check_imports(trace: dict, site_mods: set[str], image: set[str]):
     image_mods = set()
     for n in image:
         image_mods |= set(IMPORT_NAMES.get(n, [n.replace("-", "_")]))
@@ -282,8 +264,8 @@ def check_imports(trace: dict, site_mods: set[str], image: set[str], waived: dic
         where = "bundle" if top in site_mods else "image" if top in image_mods else None
         if where:
             status = ("ok", where)
-        elif top in waived:
-            status = ("WAIVED", waived[top])
+        elif top in WAIVED:
+            status = ("WAIVED", WAIVED[top])
         else:
             status = ("FAIL", "not in bundle or image")
         chain = " <- ".join(reversed(trace["chains"].get(top, [])))
@@ -293,35 +275,31 @@ def check_imports(trace: dict, site_mods: set[str], image: set[str], waived: dic
 
 def main():
     ap = argparse.ArgumentParser(description="smoke-check the speclab GPU bundle tree")
-    ap.add_argument("--vllm", default="0.22.0", choices=sorted(BUNDLES),
-                    help="which bundle (its tree and whether it carries `vllm serve`)")
+    ap.add_argument("--vllm", default="0.22.0", choices=sorted(SITES),
+                    help="which bundle's tree to check")
     ap.add_argument("--site", help="the laid-out tree (default: pack.sh's for --vllm)")
     ap.add_argument("--vllm-src", help="vllm package dir to trace (default: SITE/vllm)")
     ap.add_argument("--kinds", default="/work/.library/device/KINDS.md")
     ap.add_argument("--json", help="write all rows here")
     a = ap.parse_args()
 
-    bundle = BUNDLES[a.vllm]
-    site = a.site or bundle["site"]
+    site = a.site or SITES[a.vllm]
     if not os.path.isdir(os.path.join(site, "vllm")):
         sys.exit(f"no vllm/ in {site}: run tools/gpu/pack.sh --vllm {a.vllm} --tree-only first")
     image, image_ver = kinds_image(a.kinds)
     if not image:
         sys.exit(f"no package list found in {a.kinds}")
-    waived = WAIVED if bundle["serve"] else {**WAIVED, **SERVE_ONLY}
-    dists, req_rows = check_requires(site, image, image_ver, waived)
+    dists, req_rows = check_requires(site, image, image_ver)
     if dists.get("vllm", {}).get("version") != a.vllm:
         sys.exit(f"{site} holds vLLM {dists.get('vllm', {}).get('version')}, not {a.vllm}")
     vsrc = a.vllm_src or os.path.join(site, "vllm")
     with tempfile.TemporaryDirectory() as tmp:
         subprocess.run([sys.executable, os.path.join(HERE, "trace_imports.py"), vsrc,
-                        "--json", f"{tmp}/trace.json", *([] if bundle["serve"] else ["--no-serve"])],
-                       check=True, capture_output=True)
+                        "--json", f"{tmp}/trace.json"], check=True, capture_output=True)
         trace = json.load(open(f"{tmp}/trace.json"))
-    imp_rows = check_imports(trace, bundle_modules(site), image, waived)
+    imp_rows = check_imports(trace, bundle_modules(site), image)
 
-    print(f"bundle: vLLM {a.vllm} ({'with' if bundle['serve'] else 'without'} `vllm serve`), "
-          f"{len(dists)} distributions; image: {len(image)} packages "
+    print(f"bundle: vLLM {a.vllm}, {len(dists)} distributions; image: {len(image)} packages "
           f"({len(image_ver)} with versions)")
     print("\n## Requires-Dist (markers for CPython 3.12 / Linux x86_64)")
     for dname, label, st, why in req_rows:

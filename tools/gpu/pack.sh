@@ -312,8 +312,10 @@ step "5/6 two layers, each tar | xz --x86 -9e (threads: $XZ_THREADS)"
 # then files grouped by kind (ELF binaries, then text by extension, then the
 # rest), so that similar bytes sit close together in the xz window.
 # Deterministic: fixed owner and mtime, so the shared layer's archive is the same
-# bytes in every bundle built from the same commit; it is compressed once and
-# kept in $LAYER_CACHE by the sha256 of its tar stream.
+# bytes in every bundle built from the same commit. Each layer is compressed once
+# and kept in $LAYER_CACHE by the sha256 of its tar stream (a re-run whose layer
+# did not change reuses it). The tree must not change while tar reads it (tar
+# fails on a changed file; a new hard link to a file changes its ctime).
 rm -rf "$WORK/out"
 mkdir -p "$WORK/out"
 (cd "$WORK/tree" && "$PY" - "$WORK/shared_reqs.txt" "$WORK/out") <<'EOF'
@@ -364,17 +366,21 @@ tar_layer() {
 compress() { xz --x86 --lzma2=preset=9e -T"$XZ_THREADS" --memlimit-compress=12GiB; }
 LAYER_CACHE=${LAYER_CACHE:-${SPECLAB_CACHE:-$HOME/.cache/speclab}/gpu-layers}
 mkdir -p "$LAYER_CACHE"
-KEY=$(tar_layer shared | sha256sum | cut -d' ' -f1)
-CACHED=$LAYER_CACHE/shared-$KEY.tar.xz
-if [ -f "$CACHED" ]; then
-  echo "shared layer: reusing $CACHED"
-else
-  tar_layer shared | compress > "$CACHED.tmp.$$"
-  mv "$CACHED.tmp.$$" "$CACHED"
-fi
-cp "$CACHED" "$WORK/out/layer.shared.tar.xz"
-tar_layer own | compress > "$WORK/out/layer.vllm$VLLM.tar.xz"
-printf 'shared\nvllm%s\n' "$VLLM" > "$WORK/out/layers"
+layer() {  # $1: member list (shared, own), $2: layer name in the bundle
+  local key cached
+  key=$(tar_layer "$1" | sha256sum | cut -d' ' -f1)
+  cached=$LAYER_CACHE/$2-$key.tar.xz
+  if [ -f "$cached" ]; then
+    echo "layer $2: reusing $cached"
+  else
+    tar_layer "$1" | compress > "$cached.tmp.$$"
+    mv "$cached.tmp.$$" "$cached"
+  fi
+  cp "$cached" "$WORK/out/layer.$2.tar.xz"
+  echo "$2" >> "$WORK/out/layers"
+}
+layer shared shared
+layer own "vllm$VLLM"
 ls -l "$WORK"/out/layer.*
 
 # ---------------------------------------------------------------------------

@@ -7,11 +7,9 @@ Checks, each reported as ok/FAIL with the error, never stopping at the first:
   site      the bundle's sitecustomize ran: cutlass's .pth path is on sys.path,
             also in a multiprocessing *spawn* child (as vLLM's engine core)
   imports   cutlass, quack.compile_utils, tilelang, vllm and the modules of our
-            code paths (DeepSeek-V4 + its CuTe-DSL compressor, EAGLE-3, FlashMLA/FA3
-            extensions, the MoE ops; api_server and cli where the bundle has
-            `vllm serve`), per vLLM release (RELEASES)
-  serve     `vllm serve --help` (builds the whole CLI, imports every subcommand);
-            only for a bundle that carries `vllm serve`
+            code paths (api_server, cli, DeepSeek-V4 + its CuTe-DSL compressor,
+            EAGLE-3, FlashMLA/FA3 extensions, the MoE ops), per vLLM release (RELEASES)
+  serve     `vllm serve --help` (builds the whole CLI, imports every subcommand)
   jit       a CuTe-DSL kernel JIT-compiled and run on the GPU (the path the
             DeepSeek-V4 main KV compressor takes); checks c == a + b
 Exit 0 when all selected checks pass.
@@ -44,13 +42,12 @@ SERVE_IMPORTS = [
     "mistral_common", "uvicorn", "prometheus_fastapi_instrumentator",
     "model_hosting_container_standards.sagemaker", "watchfiles",
 ]
-# Per release (major.minor): its CUDA extensions, whether the bundle carries `vllm
-# serve`, and the folder cutlass-dsl's .pth puts on sys.path.
+# Per release (major.minor): its CUDA extensions, and the folder cutlass-dsl's .pth puts
+# on sys.path.
 RELEASES = {
-    "0.22": {"extensions": ["vllm._C", "vllm._moe_C"], "serve": True,
-             "cutlass_dir": "python_packages"},
+    "0.22": {"extensions": ["vllm._C", "vllm._moe_C"], "cutlass_dir": "python_packages"},
     "0.26": {"extensions": ["vllm._C_stable_libtorch", "vllm._moe_C_stable_libtorch"],
-             "serve": False, "cutlass_dir": "dsl_packages"},
+             "cutlass_dir": "dsl_packages"},
 }
 
 
@@ -142,12 +139,11 @@ def main():
         print(f"{'ok  ' if ok else 'FAIL'} {name:70s} {time.time() - t:6.1f}s  {shown}", flush=True)
 
     rel = release()
-    serve = rel["serve"] and not a.no_serve
-    print(f"vLLM {rel['version']} bundle ({'with' if serve else 'without'} serve checks)")
+    print(f"vLLM {rel['version']} bundle")
     run("site", lambda: check_site(rel["cutlass_dir"]))
-    for m in IMPORTS + rel["extensions"] + (SERVE_IMPORTS if serve else []):
+    for m in IMPORTS + rel["extensions"] + ([] if a.no_serve else SERVE_IMPORTS):
         run(m, lambda m=m: (importlib.import_module(m), "")[1])
-    if serve:
+    if not a.no_serve:
         run("serve", check_serve)
     if not a.no_jit:
         run("jit", check_jit)

@@ -37,11 +37,22 @@ import os
 import sys
 from collections import defaultdict
 
-# Root modules of the code paths speclab uses (offline LLM, EAGLE-3, DeepSeek-V4 with
-# FP8, FlashMLA, FA3, Triton attention), and those `vllm serve` adds.
-OFFLINE_ROOTS = [
+# Root modules of the code paths speclab uses (offline LLM, `vllm serve`,
+# EAGLE-3, DeepSeek-V4 with FP8, FlashMLA, FA3, Triton attention).
+DEFAULT_ROOTS = [
     "vllm",
     "vllm.entrypoints.llm",
+    # `vllm serve`: console script -> cli.main.main(), which imports these
+    "vllm.entrypoints.cli.main",
+    "vllm.entrypoints.cli.serve",
+    "vllm.entrypoints.cli.openai",
+    "vllm.entrypoints.cli.launch",
+    "vllm.entrypoints.cli.collect_env",
+    "vllm.entrypoints.cli.run_batch",
+    "vllm.entrypoints.cli.benchmark.main",
+    "vllm.entrypoints.openai.api_server",
+    "vllm.entrypoints.launcher",
+    "vllm.entrypoints.serve",
     # engine core, workers, spec decode
     "vllm.v1.engine.core",
     "vllm.v1.engine.core_client",
@@ -75,20 +86,6 @@ OFFLINE_ROOTS = [
     "vllm.v1.attention.backends.mla.flashmla_sparse",
     "vllm.model_executor.model_loader",
 ]
-SERVE_ROOTS = [
-    # `vllm serve`: console script -> cli.main.main(), which imports these
-    "vllm.entrypoints.cli.main",
-    "vllm.entrypoints.cli.serve",
-    "vllm.entrypoints.cli.openai",
-    "vllm.entrypoints.cli.launch",
-    "vllm.entrypoints.cli.collect_env",
-    "vllm.entrypoints.cli.run_batch",
-    "vllm.entrypoints.cli.benchmark.main",
-    "vllm.entrypoints.openai.api_server",
-    "vllm.entrypoints.launcher",
-    "vllm.entrypoints.serve",
-]
-DEFAULT_ROOTS = OFFLINE_ROOTS + SERVE_ROOTS
 
 # `vllm serve` attaches its routers and serving classes inside functions that
 # run at start-up (build_app, init_app_state, register_*_api_routers): follow
@@ -255,16 +252,13 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("pkg_dir", help="path to the package directory (vllm/, or another one)")
     ap.add_argument("--roots", help="comma-separated root modules (default: speclab's set)")
-    ap.add_argument("--no-serve", action="store_true",
-                    help="default roots without `vllm serve` (and no function-level follow-up)")
     ap.add_argument("--deep", default=",".join(DEEP_PREFIXES),
                     help="module prefixes whose function-level vLLM imports are followed")
     ap.add_argument("--json", help="write the result as JSON here")
     a = ap.parse_args()
-    roots = a.roots.split(",") if a.roots else OFFLINE_ROOTS if a.no_serve else DEFAULT_ROOTS
-    deep = () if a.no_serve else tuple(x for x in a.deep.split(",") if x)
+    roots = a.roots.split(",") if a.roots else DEFAULT_ROOTS
     t = Tracer(a.pkg_dir)
-    missing = t.run(roots, deep)
+    missing = t.run(roots, tuple(x for x in a.deep.split(",") if x))
     res = {
         "roots": roots,
         "roots_not_found": missing,

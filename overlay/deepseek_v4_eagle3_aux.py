@@ -25,9 +25,7 @@ residual stream after L decoder layers, reduced over the hc streams by ``capture
 
 from __future__ import annotations
 
-import json
 import os
-import re
 from itertools import islice
 
 import eagle3_draft_kv_cache as base
@@ -295,6 +293,8 @@ def capture_layers(layers, num_layers: int | None) -> tuple[int, ...]:
     vLLM's model runner passes the draft config's ids unchanged; they are mapped with
     ``resolve_aux_convention`` and the resolution is logged as one JSON line. Ids that are
     not the config's (vLLM's default layers, or a caller of its own) are kept."""
+    import json
+
     ids = tuple(int(i) for i in layers)
     hf = _draft_hf_config()
     resolved = resolve_aux_convention(None if hf is None else draft_config_dict(hf), num_layers)
@@ -361,7 +361,7 @@ def fitting_forward(facts: dict) -> str | None:
     """The overlay forward written against exactly this stock forward, if any."""
     for name, spec in FORWARDS.items():
         if (facts["forward_params"] == FORWARD_PARAMS
-                and facts["layer_hc_post"] >= spec["layer_hc_post"]
+                and (facts["layer_hc_post"] or not spec["layer_hc_post"])
                 and set(facts["forward_calls"]) in spec["stock_calls"].values()):
             return name
     return None
@@ -415,6 +415,8 @@ def runner_facts(src: base.Source) -> dict:
 
 
 def source_version(src: base.Source) -> str | None:
+    import re
+
     for module in ("vllm._version", "vllm.version"):
         found = re.search(r"__version__\s*=\s*(?:version\s*=\s*)?['\"]([^'\"]+)['\"]",
                           src.text(module) or "")
@@ -457,7 +459,7 @@ def patch_model(module) -> None:
         return
     facts = model_facts(base.Source(), module.__name__)
     plan = model_plan(facts, platform)
-    patches = base.adopt(platform, plan, (platform, facts))
+    patches = base.adopt(platform, plan, platform, facts)
     if base.mode() == "off":
         return
     if plan["interface"]["action"] == "patched":
@@ -487,6 +489,7 @@ def patch_model(module) -> None:
 
 def report() -> dict:
     """Overlay state in this process (JSON-serialisable)."""
+    import json
     import sys
 
     vllm = sys.modules.get("vllm.version")

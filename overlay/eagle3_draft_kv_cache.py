@@ -69,11 +69,11 @@ def record(name: str, target: str, status: str, detail: str = "") -> None:
         _info(msg)
 
 
-def adopt(scope: str, plan: dict, facts: tuple[str, dict]) -> dict[str, str]:
-    """Make ``plan`` (decided from ``facts``: name, dict) this process's plan for ``scope``;
-    say what is native or refused (a refusal warns) and note every planned patch as ``off``
-    when the overlay is disabled. Returns patch name -> target."""
-    FACTS[facts[0]] = facts[1]
+def adopt(scope: str, plan: dict, facts_key: str, facts: dict) -> dict[str, str]:
+    """Make ``plan`` (decided from ``facts``, kept as ``FACTS[facts_key]``) this process's
+    plan for ``scope``; say what is native or refused (a refusal warns) and note every
+    planned patch as ``off`` when the overlay is disabled. Returns patch name -> target."""
+    FACTS[facts_key] = facts
     PLAN.setdefault(scope, {}).update(plan)
     for feature, entry in plan.items():
         if entry["action"] == "refused" and mode() != "off":
@@ -414,7 +414,7 @@ def patch_proposer(module) -> None:
     importlib.import_module(SPEC_CONFIG)  # read below; vLLM has imported it already
     facts = draft_facts(Source())
     plan = draft_plan(facts)
-    targets = adopt("engine", plan, ("draft", facts))
+    targets = adopt("engine", plan, "draft", facts)
     if mode() == "off" or "draft-cache-config" not in targets:
         return
     _native_draft_dtype = plan["draft-kv-dtype"]["action"] == "native"
@@ -629,7 +629,7 @@ def patch_kv_cache(module) -> None:
         return  # vLLM >= 0.33: the grouping lives in kv_cache_planning (hooked too)
     facts = kv_facts(Source())
     plan = kv_plan(facts)
-    targets = adopt("engine", plan, ("kv", facts))
+    targets = adopt("engine", plan, "kv", facts)
     if mode() == "off" or not targets:
         return
     import vllm.v1.kv_cache_interface as kvi

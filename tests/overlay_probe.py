@@ -242,7 +242,10 @@ def engine_config(override=None, eagle=True):
     return NS(
         scheduler_config=NS(disable_hybrid_kv_cache_manager=False,
                             max_num_batched_tokens=4096),
-        speculative_config=NS(use_eagle=lambda: True, method="eagle3") if eagle else None,
+        speculative_config=NS(use_eagle=lambda: True, use_eagle_block_drop=lambda: True,
+                              use_multi_module_mtp=lambda: False, method="eagle3",
+                              num_speculative_tokens=3) if eagle else None,
+        attention_config=NS(hisparse_config=None),
         cache_config=NS(num_gpu_blocks_override=override, enable_prefix_caching=True,
                         hash_block_size=None, block_size=256, cache_dtype="fp8_ds_mla",
                         get_resolved_kv_cache_layout=block_outermost_layout),
@@ -259,7 +262,8 @@ def patched_names() -> list[str]:
 
 
 def stock(fn, *args):
-    """Call ``fn`` with the KV module's original (unpatched) functions in place."""
+    """Call ``fn`` with the KV module's original (unpatched) functions in place (pass a
+    lambda to call a patched function itself: its name is looked up at call time)."""
     patched = {name: getattr(KVU, name) for name in patched_names()}
     try:
         for name, f in patched.items():
@@ -286,8 +290,8 @@ def summary(cfg) -> dict:
         "tensor_bytes": sum(t.size for t in cfg.kv_cache_tensors),
         "divisible": all(t.size % nb == 0 for t in cfg.kv_cache_tensors),
         "one_tensor_per_layer": owners,
-        "group0_pages": {n: s.page_size_bytes for n, s in
-                         cfg.kv_cache_groups[0].kv_cache_spec.kv_cache_specs.items()},
+        "group0_pages": {n: s.page_size_bytes for n, s in getattr(
+            cfg.kv_cache_groups[0].kv_cache_spec, "kv_cache_specs", {}).items()},
     }
 
 
@@ -314,7 +318,8 @@ def kv_layout() -> dict:
     cfg = engine_config()
     groups = KVU.get_kv_cache_groups(cfg, dict(full))
     out = {"draft_page": draft_spec().page_size_bytes,
-           "stock_draft_group": draft_group(stock(KVU.get_kv_cache_groups, cfg, dict(full))),
+           "stock_draft_group": draft_group(
+               stock(lambda: KVU.get_kv_cache_groups(cfg, dict(full)))),
            "draft_group": draft_group(groups),
            "draft_group_layers": groups[draft_group(groups)].layer_names
            if draft_group(groups) is not None else None,
@@ -331,7 +336,7 @@ def kv_layout() -> dict:
     out["plain_patched"] = summary(configs(engine_config(eagle=False), v4, avail))
     out["with_draft"] = summary(configs(engine_config(), full, avail))
     out["override"] = summary(configs(engine_config(override=2000), full, avail))
-    v4_groups = stock(KVU.get_kv_cache_groups, cfg, dict(v4))
+    v4_groups = stock(lambda: KVU.get_kv_cache_groups(cfg, dict(v4)))
     out["memory"] = {
         "patched": KVU._max_memory_usage_bytes_from_groups(cfg, groups),
         "v4_only": KVU._max_memory_usage_bytes_from_groups(cfg, v4_groups),

@@ -358,3 +358,46 @@ def test_status_of_native_classes(tmp_path):
     assert st["support"] == "none" and "not installed" in st["support_detail"]
     assert {f: e["action"] for f, e in st["plan"]["platforms"]["nvidia"].items()} == {
         "interface": "native", "aux-forward": "native", "id-convention": "patched"}
+
+
+# --------------------------------------------------------------------------- overlay plan (CLI)
+EAGLE31_DRAFT = {"architectures": ["LlamaForCausalLMEagle3"],
+                 "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 21, 40]}}
+
+
+def test_overlay_plan_prints_the_resolution_without_vllm(tmp_path, capsys, monkeypatch):
+    from speclab import cli
+
+    monkeypatch.delenv("EAGLE3_AUX_LAYER_CONVENTION", raising=False)
+    draft, target = tmp_path / "draft", tmp_path / "target"
+    draft.mkdir(), target.mkdir()
+    (draft / "config.json").write_text(json.dumps(EAGLE31_DRAFT))
+    (target / "config.json").write_text(json.dumps({"num_hidden_layers": 43}))
+    assert cli.main(["overlay", "plan", "--draft-config", str(draft),
+                     "--target-config", str(target)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["convention"], out["config_ids"], out["capture_after_layers"],
+            out["num_layers"]) == ("output", [1, 21, 40], [2, 22, 41], 43)
+    assert "first id is 1" in out["why"]
+
+    assert cli.main(["overlay", "plan", "--draft-config", str(draft / "config.json")]) == 0
+    assert json.loads(capsys.readouterr().out)["num_layers"] is None  # range unchecked
+    monkeypatch.setenv("EAGLE3_AUX_LAYER_CONVENTION", "input")
+    assert cli.main(["overlay", "plan", "--draft-config", str(draft), "--num-layers", "43"]) == 0
+    assert json.loads(capsys.readouterr().out)["capture_after_layers"] == [1, 21, 40]
+
+
+@pytest.mark.parametrize("args,message", [
+    ([], "needs --draft-config"),
+    (["--draft-config", "missing"], "no config.json"),
+    (["--draft-config", "DRAFT", "--num-layers", "40"], "[41] not in 1..40"),
+])
+def test_overlay_plan_bad_input_fails_clearly(tmp_path, capsys, monkeypatch, args, message):
+    from speclab import cli
+
+    monkeypatch.delenv("EAGLE3_AUX_LAYER_CONVENTION", raising=False)
+    (tmp_path / "config.json").write_text(json.dumps(EAGLE31_DRAFT))
+    args = [str(tmp_path) if a == "DRAFT" else str(tmp_path / a) if a == "missing" else a
+            for a in args]
+    assert cli.main(["overlay", "plan", *args]) == 2
+    assert message in capsys.readouterr().err

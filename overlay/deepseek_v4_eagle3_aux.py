@@ -370,7 +370,7 @@ def fitting_forward(facts: dict) -> str | None:
 def model_plan(facts: dict, platform: str) -> dict:
     """``interface``, ``aux-forward``, ``id-convention`` for one platform model module."""
     m = facts["module"]
-    entry = base._entry
+    entry = base.plan_entry
     mapping = {"id-convention": f"{m}.DeepseekV4ForCausalLM.set_aux_hidden_state_layers"}
     map_detail = ("maps the draft config's ids to capture-after-layers "
                   "(resolve_aux_convention) before ")

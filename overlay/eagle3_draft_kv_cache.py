@@ -83,7 +83,7 @@ def adopt(scope: str, plan: dict, facts_key: str, facts: dict) -> dict[str, str]
         elif entry["action"] in ("native", "not needed"):
             _info("DeepSeek-V4 EAGLE-3 overlay: %s %s (%s): %s", feature, entry["action"],
                   scope, entry["detail"])
-    targets = _targets(plan)
+    targets = plan_patches(plan)
     if mode() == "off":
         for name, target in targets.items():
             record(name, target, "off", f"{MODE_ENV}=off")
@@ -326,26 +326,28 @@ def draft_plan(facts: dict) -> dict:
         detail = ("SpecDecodeBaseProposer._create_draft_vllm_config, which the patch wraps, "
                   "is missing; use vLLM 0.21-0.33")
         return dict.fromkeys(("draft-kv-dtype", "draft-window"),
-                             _entry("refused", {}, detail))
+                             plan_entry("refused", {}, detail))
     patch = {"draft-cache-config": target}
     if facts["speculative_kv_cache_dtype"]:
-        dtype = _entry("native", patch, (
+        dtype = plan_entry("native", patch, (
             "speculative_config.kv_cache_dtype; left unset, the overlay sets it to "
             f"${DTYPE_ENV} or auto (the target's fp8_ds_mla fits no draft attention)"))
     else:
-        dtype = _entry("patched", patch, (
+        dtype = plan_entry("patched", patch, (
             f"SpeculativeConfig has no kv_cache_dtype: the draft gets its own CacheConfig, "
             f"cache_dtype ${DTYPE_ENV} (default auto)"))
     if facts["draft_sets_sliding_window"]:
-        window = _entry("not needed", {}, "the draft's cache config sets its own window")
+        window = plan_entry("not needed", {}, "the draft's cache config sets its own window")
     else:
-        window = _entry("patched", patch, (
+        window = plan_entry("patched", patch, (
             "the draft would inherit the target's sliding window (128 for DeepSeek-V4); "
             "it gets the window vLLM gives it as a main model"))
     return {"draft-kv-dtype": dtype, "draft-window": window}
 
 
-def _entry(action: str, patches: dict, detail: str) -> dict:
+def plan_entry(action: str, patches: dict, detail: str) -> dict:
+    """One feature's plan: native | patched | not needed | refused, the patches (name ->
+    replaced object) and why."""
     return {"action": action, "patches": dict(patches), "detail": detail}
 
 
@@ -423,7 +425,7 @@ def patch_proposer(module) -> None:
     record("draft-cache-config", targets["draft-cache-config"], "applied")
 
 
-def _targets(plan: dict) -> dict[str, str]:
+def plan_patches(plan: dict) -> dict[str, str]:
     """Patch name -> replaced object over a plan's features."""
     return {k: v for entry in plan.values() for k, v in entry["patches"].items()}
 
@@ -489,12 +491,12 @@ def kv_plan(facts: dict) -> dict:
     """``kv-grouping``: native (generic grouping) | patched | refused, with its patches."""
     m = facts["kv_module"]
     if facts["grouping"] == "generic":
-        return {"kv-grouping": _entry("not needed", {}, (
+        return {"kv-grouping": plan_entry("not needed", {}, (
             "get_kv_cache_groups packs any mix of specs (_get_packed_kv_cache_groups): the "
             "draft's full-attention layer is grouped like any other"))}
     advice = "use vLLM 0.21-0.28 with this overlay, or >= 0.29 (generic grouping)"
     if facts["grouping"] != "deepseek-v4-mla-only":
-        return {"kv-grouping": _entry("refused", {}, (
+        return {"kv-grouping": plan_entry("refused", {}, (
             f"get_kv_cache_groups in {m} groups in a way the overlay does not know; {advice}"))}
     wrong = [f"{name}{got}" for name, got, want in (
         ("get_kv_cache_groups", facts["get_kv_cache_groups_params"], KV_GROUPS_PARAMS),
@@ -519,10 +521,10 @@ def kv_plan(facts: dict) -> dict:
                      f"_pool_bytes_per_block={facts['pool_bytes_layout']}")
         layout = ""
     if wrong:
-        return {"kv-grouping": _entry("refused", {}, (
+        return {"kv-grouping": plan_entry("refused", {}, (
             f"{m} differs from what the KV patches were written for ({'; '.join(wrong)}); "
             f"{advice}"))}
-    return {"kv-grouping": _entry("patched", patches, (
+    return {"kv-grouping": plan_entry("patched", patches, (
         "group_and_unify_kv_cache_specs keeps only MLA specs for DeepSeek-V4: the draft's "
         f"full-attention layers join group 0; {layout}"))}
 

@@ -257,7 +257,7 @@ def engine_config(override=None, eagle=True):
 
 
 def patched_names() -> list[str]:
-    return [t.rsplit(".", 1)[1] for n, t in base._targets(
+    return [t.rsplit(".", 1)[1] for n, t in base.plan_patches(
         {"k": base.PLAN["engine"]["kv-grouping"]}).items()]
 
 

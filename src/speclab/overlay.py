@@ -212,7 +212,7 @@ def status(site: Path | None = None, probe: bool = False,
         patches = {f"{name} ({scope})" if scope != "engine" else name:
                    {"target": target, "status": state, "detail": ""}
                    for scope, features in scopes.items()
-                   for name, target in base._targets(features).items()}
+                   for name, target in base.plan_patches(features).items()}
         source = "plan"
 
     env = os.environ.get(base.DTYPE_ENV, "").strip()

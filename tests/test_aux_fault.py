@@ -41,7 +41,7 @@ def _run(site: Path, fault: str | None) -> subprocess.CompletedProcess:
     if fault is not None:
         env[aux_fault.FAULT_ENV] = fault
     return subprocess.run([sys.executable, "-c", PROBE, str(site)], env=env,
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=120, check=False)
 
 
 @pytest.mark.parametrize("overlay_first", [True, False])

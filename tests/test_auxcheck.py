@@ -104,9 +104,9 @@ def test_proposal_recorder_binds_the_release_signature(version):
               if isinstance(n, ast.FunctionDef) and n.name == "propose")
     fn.body, fn.decorator_list = [ast.parse("return 'drafted'").body[0]], []
     ns: dict = {}
-    exec(compile(ast.fix_missing_locations(ast.Module(
-        [ast.ImportFrom("__future__", [ast.alias("annotations")], 0), fn], [])),
-        "stub", "exec"), ns)  # noqa: S102
+    stub_module = ast.fix_missing_locations(ast.Module(
+        [ast.ImportFrom("__future__", [ast.alias("annotations")], 0), fn], []))
+    exec(compile(stub_module, "stub", "exec"), ns)  # noqa: S102
     stub = type("Proposer", (), {"propose": ns["propose"]})()
     tool = Path(__file__).resolve().parents[1] / "tools" / "gpu" / "aux_check.py"
     spec = importlib.util.spec_from_file_location("aux_check_tool", tool)

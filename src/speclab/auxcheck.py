@@ -91,15 +91,15 @@ def summarize(df: pd.DataFrame) -> pd.DataFrame:
             layers = [col for col in wide.columns if col.startswith("L")]
             closest = wide[layers].idxmin(axis=1).str[1:].astype(int)
             conf = wide[f"L{c}"]
-            ratio = lambda col: float((wide[col] / conf).min()) if col in wide else None
+            ratios = {col: float((wide[col] / conf).min()) for col in wide.columns}
             out.append({
                 "slot": int(slot), "phase": phase, "configured": c, "positions": len(wide),
                 "rel_err_max": float(conf.max()), "rel_err_median": float(conf.median()),
                 "cosine_min": float(cosw[f"L{c}"].min()),
                 "closest_is_configured": bool((closest == c).all()),
                 "closest_layers": sorted(set(closest.tolist())),
-                "margin_fewer": ratio(f"L{c - 1}"), "margin_more": ratio(f"L{c + 1}"),
-                "margin_stream0": ratio("stream0")})
+                "margin_fewer": ratios.get(f"L{c - 1}"), "margin_more": ratios.get(f"L{c + 1}"),
+                "margin_stream0": ratios.get("stream0")})
     return pd.DataFrame(out)
 
 
@@ -118,10 +118,10 @@ def markdown(summary: pd.DataFrame, title: str = "") -> str:
     """The summary as a markdown table (for reports and notes)."""
     fmt = lambda v, f="{:.3g}": "n/a" if v is None or (isinstance(v, float) and np.isnan(v)) \
         else f.format(v)
+    header = ("| slot | phase | after layers | positions | rel. err. max | cos min | closest | "
+              "fewer / conf. | more / conf. | stream 0 / conf. |")
     lines = ([f"**{title}**", ""] if title else []) + [
-        "| slot | phase | after layers | positions | rel. err. max | cos min | closest | "
-        "fewer / conf. | more / conf. | stream 0 / conf. |",
-        "|---:|---|---:|---:|---:|---:|---|---:|---:|---:|"]
+        header, "|---:|---|---:|---:|---:|---:|---|---:|---:|---:|"]
     for r in summary.to_dict("records"):
         lines.append(
             f"| {r['slot']} | {r['phase']} | {r['configured']} | {r['positions']} | "

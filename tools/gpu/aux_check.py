@@ -51,7 +51,7 @@ def record_proposals(drafter, calls: list) -> None:
 def overlay_aux():
     """The overlay's aux module: loaded by the .pth, else the repository's copy."""
     if "deepseek_v4_eagle3_aux" not in sys.modules:
-        from speclab.fixtures.dsv4_layer_rig import overlay_module
+        from speclab.layerrig import overlay_module
 
         return overlay_module()
     return sys.modules["deepseek_v4_eagle3_aux"]

@@ -93,7 +93,7 @@ job("stock-error", 1, 300, sweep("tiny-dsv4-rig", f"{RIG}-stock", "--only", "k3_
     [f"{RIG}-stock"], expect_fail=True)
 
 # Layer-exact rig (issue 12; speclab.fixtures.dsv4_layer_rig): one run folder per arm, each
-# checked against the committed CPU expectations (`... check ARM RUN` writes
+# checked against the committed CPU expectations (`tools/layer_rig.py check ARM RUN` writes
 # expected_check_<arm>.json; rc 1 unless counters are exact and outputs count). The positive
 # arm eager and compiled; negatives (eager), each must read ~0 at position 1: the other
 # convention, hc stream 0 instead of the mean (fault through the overlay's capture_aux: 0.22 +
@@ -120,7 +120,7 @@ def layer_rig_cmd(run: str, arm: str, override: str | None, *, tp2: bool = False
         extra = ["--override", '{"grid": {"layout": [{"tp": 2, "ep": true}]}}']
     steps = [" ".join(sweep(LR_PROFILE, run, *(f"'{x}'" if x.startswith("{") else x
                                                for x in extra))),
-             f"{PY} -m speclab.fixtures.dsv4_layer_rig check {arm} data/runs/{run}"]
+             f"{PY} tools/layer_rig.py check {arm} data/runs/{run}"]
     if arm == "neg-stream0":  # the fault's .pth, only while this arm runs
         fault = f"{PY} {T}/aux_fault.py"
         steps = [f"{fault} install", f"trap '{fault} uninstall' EXIT", *steps]

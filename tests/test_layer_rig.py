@@ -200,32 +200,37 @@ def test_check_run_compares_counters_and_outputs(tmp_path):
                 "prompt_ids": ["layer-rig-0-len8", "layer-rig-1-len16"],
                 "arms": {"positive": {"counters": {
                     "num_drafts": 4, "accepted_per_pos": [4, 0, 0],
-                    "per_prompt": [{"num_drafts": 2, "accepted_per_pos": [2, 0, 0]},
-                                   {"num_drafts": 2, "accepted_per_pos": [2, 0, 0]}]}}}}
+                    "per_prompt": [{"num_drafts": 3, "accepted_per_pos": [3, 0, 0],
+                                    "last_round_accepted": 1},
+                                   {"num_drafts": 2, "accepted_per_pos": [1, 0, 0],
+                                    "last_round_accepted": 0}]}}}}
     from speclab import prompts
 
     last = {p.id: p.prompt_token_ids[-1] for p in prompts.load(REPO / expected["prompts"])}
     expected["prompts"] = str(REPO / expected["prompts"])
     (tmp_path / "points").mkdir()
 
-    def write(accepted, first_out_offset=1):
+    def write(accepted, total=4, first_out_offset=1):
         (tmp_path / "points" / "k3_x.json").write_text(json.dumps({
             "point_id": "k3_x", "status": "ok", "env": {},
-            "counters": {"num_drafts": 4, "accepted_per_pos": [sum(accepted), 0, 0]}}))
-        pd.DataFrame({"prompt_id": expected["prompt_ids"][::-1],
-                      "drafts": [2, 2], "accepted_per_pos": [[a, 0, 0] for a in accepted[::-1]],
+            "counters": {"num_drafts": 4, "accepted_per_pos": [total, 0, 0]}}))
+        # per request: the final round is missing (vLLM's per-request stats)
+        pd.DataFrame({"prompt_id": expected["prompt_ids"][::-1], "drafts": [1, 2],
+                      "accepted_per_pos": [[a, 0, 0] for a in accepted[::-1]],
                       "output_token_ids": [list(range(last[i] + first_out_offset,
                                                       last[i] + first_out_offset + 4))
                                            for i in expected["prompt_ids"][::-1]]}
                      ).to_parquet(tmp_path / "points" / "k3_x.parquet")
 
-    write([2, 2])
-    ok = LR.check_run(expected, "positive", tmp_path)
-    assert ok["exact"] and ok["outputs_counting"]
     write([2, 1])
+    ok = LR.check_run(expected, "positive", tmp_path)
+    assert ok["exact"] and ok["outputs_counting"] and ok["per_prompt_match"]
+    write([2, 0])
+    assert not LR.check_run(expected, "positive", tmp_path)["per_prompt_match"]
+    write([2, 1], total=3)
     bad = LR.check_run(expected, "positive", tmp_path)
-    assert not bad["exact"] and bad["match"]["per_prompt"] is False
-    write([2, 2], first_out_offset=2)
+    assert not bad["exact"] and bad["match"]["accepted_per_pos"] is False
+    write([2, 1], first_out_offset=2)
     assert not LR.check_run(expected, "positive", tmp_path)["outputs_counting"]
 
 

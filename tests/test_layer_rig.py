@@ -144,7 +144,7 @@ def test_lookup_units_clamp(small, small_ref):
 
 
 def test_streams_carry_per_layer_and_per_stream_signatures(small, small_ref):
-    cfg, fam, maps = _structure(small)
+    _, fam, maps = _structure(small)
     prompt = L.rig_prompts(128, n=1, lengths=(6,), max_tokens=8, k=3, seed=4)[0]
     gen = small_ref.greedy(prompt, 8)
     assert gen == list(range(prompt[-1] + 1, prompt[-1] + 9))  # counts
@@ -250,3 +250,53 @@ def test_committed_expectations_for_the_real_fixture():
         assert c["accepted_per_pos"] == [0, 0, 0] and c["num_drafts"] == 16 * 63, arm
         assert exp["arms"][arm]["votes"]["argmax_right_share"] == 0.0
     assert len(exp["prompt_ids"]) == 16
+
+
+def test_committed_expectations_reproduce_for_one_prompt(fixture_cache):
+    """The real fixtures, built by this code, give the committed per-prompt counters of every
+    arm for the first prompt (the whole set takes the reference ~16x longer)."""
+    from speclab import fixtures, prompts
+
+    exp = json.loads((REPO / LR.EXPECTED_FILE).read_text())
+    first = prompts.load(REPO / exp["prompts"])[0]
+    assert first.id == exp["prompt_ids"][0]
+    dirs = {n: fixtures.build(n, fixture_cache) for n in
+            ("layer-rig-dsv4", "layer-rig-dsv4-eagle3", "layer-rig-dsv4-eagle3-perm")}
+    for name, d in dirs.items():
+        sha = json.loads((d / "dsv4_fixture.json").read_text())["safetensors_sha256"]
+        assert sha == exp["fixtures"][name]["safetensors_sha256"], name
+    res = LR.expected_arms(dirs.pop("layer-rig-dsv4"), dirs, [list(first.prompt_token_ids)],
+                           exp["max_tokens"], exp["k"])
+    for arm, r in res["arms"].items():
+        assert r["counters"]["per_prompt"][0] == exp["arms"][arm]["counters"]["per_prompt"][0]
+        assert r["capture_after_layers"] == exp["arms"][arm]["capture_after_layers"]
+
+
+def test_aux_check_separates_the_rigs_layers(small_ref):
+    """speclab.auxcheck on the small rig, with the reference's own streams (bf16-rounded) as
+    the engine's capture: the configured layers win by a wide margin; the other convention's
+    capture and stream 0 are flagged."""
+    import numpy as np
+
+    from speclab import auxcheck
+
+    prompt = L.rig_prompts(128, n=1, lengths=(6,), max_tokens=8, k=3, seed=5)[0]
+    seq = prompt + list(range(prompt[-1] + 1, prompt[-1] + 9))
+    means, s0 = auxcheck.reference_streams(small_ref, seq)
+    bf16 = lambda a: torch.as_tensor(a).bfloat16().float().numpy()
+
+    def calls(source, capture):
+        aux = np.concatenate([bf16(source[c]) for c in capture], -1)
+        cuts = [0, len(prompt), len(prompt) + 3, len(seq)]  # prefill, then verify steps
+        return [{"positions": np.arange(a, b), "token_ids": np.asarray(seq[a:b]),
+                 "aux": aux[a:b]} for a, b in zip(cuts, cuts[1:])]
+
+    right = auxcheck.summarize(auxcheck.compare_request(calls(means, [2, 3, 4]), seq, means,
+                                                        s0, [2, 3, 4]))
+    assert auxcheck.verdict(right)
+    allp = right[right["phase"] == "all"]
+    assert allp["rel_err_max"].max() < 0.01
+    assert allp["margin_fewer"].min() > 30 and allp["margin_stream0"].min() > 30
+    for source, capture in ((means, [1, 2, 3]), (s0, [2, 3, 4])):
+        wrong = auxcheck.compare_request(calls(source, capture), seq, means, s0, [2, 3, 4])
+        assert not auxcheck.verdict(auxcheck.summarize(wrong))

@@ -6,6 +6,7 @@ check, and the committed expectations for the real (hidden 4096) fixture."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from pathlib import Path
@@ -289,7 +290,7 @@ def test_aux_check_separates_the_rigs_layers(small_ref):
         aux = np.concatenate([bf16(source[c]) for c in capture], -1)
         cuts = [0, len(prompt), len(prompt) + 3, len(seq)]  # prefill, then verify steps
         return [{"positions": np.arange(a, b), "token_ids": np.asarray(seq[a:b]),
-                 "aux": aux[a:b]} for a, b in zip(cuts, cuts[1:])]
+                 "aux": aux[a:b]} for a, b in itertools.pairwise(cuts)]
 
     right = auxcheck.summarize(auxcheck.compare_request(calls(means, [2, 3, 4]), seq, means,
                                                         s0, [2, 3, 4]))

@@ -6,6 +6,7 @@ check, and the committed expectations for the real (hidden 4096) fixture."""
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import math
@@ -264,7 +265,7 @@ def test_committed_expectations_reproduce_for_one_prompt(fixture_cache):
     dirs = {n: fixtures.build(n, fixture_cache) for n in
             ("layer-rig-dsv4", "layer-rig-dsv4-eagle3", "layer-rig-dsv4-eagle3-perm")}
     for name, d in dirs.items():
-        sha = json.loads((d / "dsv4_fixture.json").read_text())["safetensors_sha256"]
+        sha = hashlib.sha256((d / "model.safetensors").read_bytes()).hexdigest()
         assert sha == exp["fixtures"][name]["safetensors_sha256"], name
     res = LR.expected_arms(dirs.pop("layer-rig-dsv4"), dirs, [list(first.prompt_token_ids)],
                            exp["max_tokens"], exp["k"])

@@ -255,20 +255,23 @@ def test_committed_expectations_for_the_real_fixture():
 
 
 def test_committed_expectations_reproduce_for_one_prompt(fixture_cache):
-    """The real fixtures, built by this code, give the committed per-prompt counters of every
-    arm for the first prompt (the whole set takes the reference ~16x longer)."""
+    """The real fixtures, built by this code, carry the committed weights, and give the
+    committed per-prompt counters for the first prompt in the arms of the main draft (the
+    whole set takes the reference ~16x longer; the -perm arm is covered on the small rig)."""
     from speclab import fixtures, prompts
 
     exp = json.loads((REPO / LR.EXPECTED_FILE).read_text())
     first = prompts.load(REPO / exp["prompts"])[0]
     assert first.id == exp["prompt_ids"][0]
-    dirs = {n: fixtures.build(n, fixture_cache) for n in
-            ("layer-rig-dsv4", "layer-rig-dsv4-eagle3", "layer-rig-dsv4-eagle3-perm")}
+    dirs = {n: fixtures.build(n, fixture_cache) for n in ("layer-rig-dsv4",
+                                                          "layer-rig-dsv4-eagle3")}
     for name, d in dirs.items():
         sha = hashlib.sha256((d / "model.safetensors").read_bytes()).hexdigest()
         assert sha == exp["fixtures"][name]["safetensors_sha256"], name
+    arms = {a: spec for a, spec in LR.ARMS.items() if spec["draft"] in dirs}
+    assert set(arms) == {"positive", "neg-input", "neg-stream0"}
     res = LR.expected_arms(dirs.pop("layer-rig-dsv4"), dirs, [list(first.prompt_token_ids)],
-                           exp["max_tokens"], exp["k"])
+                           exp["max_tokens"], exp["k"], arms=arms)
     for arm, r in res["arms"].items():
         assert r["counters"]["per_prompt"][0] == exp["arms"][arm]["counters"]["per_prompt"][0]
         assert r["capture_after_layers"] == exp["arms"][arm]["capture_after_layers"]
@@ -302,3 +305,34 @@ def test_aux_check_separates_the_rigs_layers(small_ref):
     for source, capture in ((means, [1, 2, 3]), (s0, [2, 3, 4])):
         wrong = auxcheck.compare_request(calls(source, capture), seq, means, s0, [2, 3, 4])
         assert not auxcheck.verdict(auxcheck.summarize(wrong))
+
+
+def test_aux_check_analysis_and_saved_rows(small):
+    """The device tool's analysis on CPU: served requests whose drafter calls carry the
+    reference's own hc-means (bf16) plus a rejected draft row, against a fresh reference,
+    plain and FP8-simulated; the saved rows are the usable ones."""
+    import numpy as np
+
+    from speclab import auxcheck
+
+    ref = R.DSV4Reference(small / "t")
+    prompt = L.rig_prompts(128, n=1, lengths=(5,), max_tokens=6, k=3, seed=6)[0]
+    output = list(range(prompt[-1] + 1, prompt[-1] + 7))
+    seq = prompt + output
+    means, _ = auxcheck.reference_streams(ref, seq)
+    aux = torch.as_tensor(np.concatenate([means[c] for c in (2, 3, 4)], -1)).bfloat16().float()
+    calls = [{"positions": np.arange(5), "token_ids": np.asarray(seq[:5]), "aux": aux[:5]},
+             {"positions": np.arange(5, 8), "token_ids": np.asarray([seq[5], seq[6], 3]),
+              "aux": aux[5:8]},  # the third row is a rejected draft token
+             {"positions": np.arange(7, 11), "token_ids": np.asarray(seq[7:11]),
+              "aux": aux[7:11]}]
+    served = [{"prompt": prompt, "output": output, "calls": calls}]
+    res = auxcheck.analyse(served, ref, [2, 3, 4], "small")
+    assert res["plain"]["verdict"] and res["fp8-sim"]["verdict"]
+    rows = {r["phase"]: r for r in res["fp8-sim"]["summary"] if r["slot"] == 1}
+    assert rows["prefill"]["positions"] == 5 and rows["decode"]["positions"] == 6
+    assert "small: reference fp8-sim" in res["fp8-sim"]["table"]
+    npz = auxcheck.rows_npz(served)
+    assert npz["r0_position"].tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10]
+    assert npz["r0_call"].tolist() == [0] * 5 + [1, 1] + [2] * 4
+    assert npz["r0_aux"].dtype == np.float16 and npz["r0_aux"].shape == (11, 3 * 1024)

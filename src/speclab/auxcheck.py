@@ -131,6 +131,46 @@ def markdown(summary: pd.DataFrame, title: str = "") -> str:
     return "\n".join(lines) + "\n"
 
 
+def rows_npz(served: list[dict]) -> dict:
+    """npz arrays of the usable recorded rows per served request i: `r{i}_seq`,
+    `r{i}_prompt_len`, `r{i}_call`, `r{i}_position`, `r{i}_aux` (float16: what the engine
+    handed the draft, compact enough to carry back and compare releases offline).
+    served: [{"prompt", "output", "calls"}] (calls as in `compare_request`)."""
+    out = {}
+    for i, s in enumerate(served):
+        seq = list(s["prompt"]) + list(s["output"])
+        keep = [(j, r) for j, c in enumerate(s["calls"]) for r in
+                usable_rows(np.asarray(c["positions"]), np.asarray(c["token_ids"]), seq)]
+        out[f"r{i}_seq"] = np.asarray(seq, dtype=np.int64)
+        out[f"r{i}_prompt_len"] = np.int64(len(s["prompt"]))
+        out[f"r{i}_call"] = np.asarray([j for j, _ in keep], dtype=np.int64)
+        out[f"r{i}_position"] = np.asarray([s["calls"][j]["positions"][r] for j, r in keep],
+                                           dtype=np.int64)
+        out[f"r{i}_aux"] = np.stack([np.asarray(s["calls"][j]["aux"][r]) for j, r in keep]
+                                    ).astype(np.float16)
+    return out
+
+
+def analyse(served: list[dict], ref, capture: Sequence[int], tag: str = "") -> dict:
+    """Every served request against the reference (`DSV4Reference`), plain and then with its
+    FP8-activation simulation switched on (it stays on): {mode: {verdict, summary, table}}."""
+    from speclab.fixtures.dsv4_reference import enable_fp8_simulation
+
+    results = {}
+    for mode in ("plain", "fp8-sim"):
+        if mode == "fp8-sim":
+            enable_fp8_simulation(ref.model, ref.cfg)
+        frames = []
+        for i, s in enumerate(served):
+            seq = list(s["prompt"]) + list(s["output"])
+            means, s0 = reference_streams(ref, seq)
+            frames.append(compare_request(s["calls"], seq, means, s0, capture, request=str(i)))
+        summ = summarize(pd.concat(frames, ignore_index=True))
+        results[mode] = {"verdict": verdict(summ), "summary": records(summ),
+                         "table": markdown(summ, f"{tag}: reference {mode}".strip(": "))}
+    return results
+
+
 def reference_streams(ref, seq: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
     """(means, stream0), each [N + 1, T, H] float32, from a `DSV4Reference` forward."""
     st = ref.forward(list(seq), streams=True)["streams"]

@@ -138,12 +138,12 @@ job("aux-check-tiny", 1, 480, [*AUX, "--tag", "tiny-dsv4", "--target", "tiny-dsv
                                 "tiny-dsv4-eagle3"], [f"{LR}-aux"])
 job("aux-check-rig", 1, 480, [*AUX, "--tag", "layer-rig", "--target", "layer-rig-dsv4",
                               "--draft", "layer-rig-dsv4-eagle3", "--prompt-file",
-                              "data/prompts/layer-rig-dsv4-ids.jsonl", "--prompts", "4"],
+                              "data/prompts/layer-rig-dsv4-ids.jsonl", "--prompts", "3"],
     [f"{LR}-aux"])
 job("aux-check-rig-compiled", 1, 600, [*AUX, "--tag", "layer-rig-compiled", "--target",
                                        "layer-rig-dsv4", "--draft", "layer-rig-dsv4-eagle3",
                                        "--prompt-file", "data/prompts/layer-rig-dsv4-ids.jsonl",
-                                       "--prompts", "4", "--compiled"], [f"{LR}-aux"])
+                                       "--prompts", "3", "--compiled"], [f"{LR}-aux"])
 
 def log(msg: str, fh=None) -> None:
     line = f"[{time.strftime('%H:%M:%S')}] {msg}"

@@ -1,25 +1,28 @@
-"""Draft KV cache for an EAGLE-3 draft next to a DeepSeek-V4 target in vLLM 0.21-0.22.
+"""Draft KV cache for an EAGLE-3 draft next to a DeepSeek-V4 target in vLLM 0.21-0.33.
 
 Overlay part 2 of 2 (part 1, ``deepseek_v4_eagle3_aux``, imports this one). ``install()``
 only registers import hooks: nothing from vLLM or torch is imported until vLLM imports the
 module a patch targets, and the patch is applied right after that module has executed.
 
-Patches (each recorded in ``PATCHES``; see README.md next to this file):
+What to patch is decided per feature from vLLM's own source (``Source``: the live objects
+in-process, or a wheel / source tree without importing it), never from the version string:
 
-* ``draft-cache-config``: ``SpecDecodeBaseProposer._create_draft_vllm_config`` gives an
-  eagle/eagle3 draft its own ``CacheConfig`` copy when the target is DeepSeek-V4 (or
-  ``EAGLE3_DRAFT_KV_CACHE_DTYPE`` is set): ``cache_dtype`` from that variable (default
-  ``auto``) and the draft's own sliding window. Stock 0.22 shares the target's config, which
-  the V4 attention rewrites to ``fp8_ds_mla`` with the target's 128-token window.
-* ``kv-groups``, ``kv-tensors``, ``kv-memory-check``, ``kv-pool-bytes``: the DeepSeek-V4 KV
-  layout of ``vllm/v1/core/kv_cache_utils.py`` drops the draft's ``FullAttentionSpec``
-  ("Some layers are not assigned to any group."). The draft layers join the full-MLA group 0
-  (same 256-token blocks and block table) and get one dedicated tensor each
-  (``page_size * num_blocks``), counted once per pool block in the memory checks.
+* ``draft-kv-dtype``: where ``SpeculativeConfig`` has no ``kv_cache_dtype`` (<= 0.25) the
+  ``draft-cache-config`` patch gives an eagle/eagle3 draft next to a DeepSeek-V4 target its
+  own ``CacheConfig`` copy with ``EAGLE3_DRAFT_KV_CACHE_DTYPE`` (default ``auto``); the target
+  keeps ``fp8_ds_mla``. Where it has one (>= 0.26) that option is native; the overlay fills
+  it from the variable (or ``auto``) only when the user left it unset.
+* ``draft-window``: every release gives the draft the target's cache config, hence
+  DeepSeek-V4's 128-token sliding window; the same patch gives the draft its own window.
+* ``kv-grouping``: where the DeepSeek-V4 grouping keeps only MLA specs (<= 0.28) it drops the
+  draft's ``FullAttentionSpec`` ("Some layers are not assigned to any group."). The draft
+  layers join the full-MLA group 0 (``kv-groups``) and are counted once per pool block in
+  the memory check (``kv-memory-check``); where the V4 planner lays pages out per layer tuple
+  (<= 0.22) each draft layer also gets one dedicated tensor (``kv-tensors``,
+  ``kv-pool-bytes``). From 0.29 the grouping is generic: nothing to do.
 
-Environment: ``EAGLE3_DRAFT_KV_CACHE_DTYPE`` (draft KV dtype, default ``auto``),
-``DSV4_EAGLE3_OVERLAY`` = ``auto`` (patch vLLM 0.21.x/0.22.x only) | ``force`` (also patch
-other versions where the targets exist) | ``off``.
+Environment: ``EAGLE3_DRAFT_KV_CACHE_DTYPE`` (draft KV dtype), ``DSV4_EAGLE3_OVERLAY`` =
+``auto`` (default) | ``off`` (``force`` is accepted and means ``auto``).
 """
 
 from __future__ import annotations
@@ -29,40 +32,72 @@ import os
 import sys
 import warnings
 
-OVERLAY_VERSION = "1.0.0"
-KNOWN_VLLM = ("0.21.", "0.22.")
+OVERLAY_VERSION = "2.0.0"
 MODE_ENV = "DSV4_EAGLE3_OVERLAY"
 DTYPE_ENV = "EAGLE3_DRAFT_KV_CACHE_DTYPE"
 PROPOSER = "vllm.v1.spec_decode.llm_base_proposer"
+SPEC_CONFIG = "vllm.config.speculative"
 KV_UTILS = "vllm.v1.core.kv_cache_utils"
+KV_PLANNING = "vllm.v1.core.kv_cache_planning"  # vLLM >= 0.33 plans the KV cache here
+KV_MODULES = (KV_PLANNING, KV_UTILS)
 
 PATCHES: dict[str, dict[str, str]] = {}
-"""What happened to each named patch in this process: target, status, detail. Status is
-applied | native | refused | off | skipped | failed."""
+"""What happened to each named patch in this process: target, status (applied | off |
+failed), detail."""
 
-PLAN = {
-    "draft-cache-config": f"{PROPOSER}.SpecDecodeBaseProposer._create_draft_vllm_config",
-    "kv-groups": f"{KV_UTILS}.get_kv_cache_groups",
-    "kv-tensors": f"{KV_UTILS}._get_kv_cache_config_deepseek_v4",
-    "kv-memory-check": f"{KV_UTILS}._max_memory_usage_bytes_from_groups",
-    "kv-pool-bytes": f"{KV_UTILS}._pool_bytes_per_block",
-}
-"""Patch name -> replaced object, for vLLM 0.21/0.22."""
+PLAN: dict[str, dict] = {}
+"""The per-feature plan decided in this process: scope (a platform or ``engine``) ->
+feature -> {action, patches, detail}."""
+
+FACTS: dict[str, dict] = {}
+"""The facts each plan of this process was decided from: a platform, ``draft`` or ``kv``."""
 
 _HOOKS: dict[str, list] = {}
 _finder = None
-_kvi = None  # vllm.v1.kv_cache_interface, bound when kv_cache_utils is patched
+_kvi = None  # vllm.v1.kv_cache_interface, bound when the KV module is patched
+_native_draft_dtype = False  # SpeculativeConfig.kv_cache_dtype exists (bound with the patch)
 
 
 # --------------------------------------------------------------------------- infrastructure
 def record(name: str, target: str, status: str, detail: str = "") -> None:
-    """Note a patch outcome; failures and refusals also warn (never raise)."""
+    """Note a patch outcome; failures also warn (never raise)."""
     PATCHES[name] = {"target": target, "status": status, "detail": detail}
     msg = f"DeepSeek-V4 EAGLE-3 overlay: {name} {status}" + (f": {detail}" if detail else "")
-    if status in ("failed", "refused"):
+    if status == "failed":
         warnings.warn(msg, RuntimeWarning, stacklevel=2)
     else:
         _info(msg)
+
+
+def adopt(scope: str, plan: dict, facts_key: str, facts: dict) -> dict[str, str]:
+    """Make ``plan`` (decided from ``facts``, kept as ``FACTS[facts_key]``) this process's
+    plan for ``scope``; say what is native or refused (a refusal warns) and note every
+    planned patch as ``off`` when the overlay is disabled. Returns patch name -> target."""
+    FACTS[facts_key] = facts
+    PLAN.setdefault(scope, {}).update(plan)
+    for feature, entry in plan.items():
+        if entry["action"] == "refused" and mode() != "off":
+            warnings.warn(f"DeepSeek-V4 EAGLE-3 overlay: {feature} refused on vLLM "
+                          f"{vllm_version()} ({scope}): {entry['detail']}", RuntimeWarning,
+                          stacklevel=3)
+        elif entry["action"] in ("native", "not needed"):
+            _info("DeepSeek-V4 EAGLE-3 overlay: %s %s (%s): %s", feature, entry["action"],
+                  scope, entry["detail"])
+    targets = plan_patches(plan)
+    if mode() == "off":
+        for name, target in targets.items():
+            record(name, target, "off", f"{MODE_ENV}=off")
+    return targets
+
+
+def module_exists(name: str) -> bool:
+    """Whether ``name`` can be imported (its parent packages are imported to find out)."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:
+        return False
 
 
 def _info(msg: str, *args) -> None:
@@ -73,9 +108,9 @@ def _info(msg: str, *args) -> None:
 
 
 def mode() -> str:
-    """``auto`` | ``force`` | ``off`` from ``DSV4_EAGLE3_OVERLAY`` (unknown values: auto)."""
+    """``auto`` | ``off`` from ``DSV4_EAGLE3_OVERLAY`` (``force`` and unknown values: auto)."""
     value = os.environ.get(MODE_ENV, "auto").strip().lower()
-    return value if value in ("auto", "force", "off") else "auto"
+    return "off" if value == "off" else "auto"
 
 
 def vllm_version() -> str:
@@ -85,17 +120,8 @@ def vllm_version() -> str:
     return str(getattr(importlib.import_module("vllm.version"), "__version__", "unknown"))
 
 
-def gate() -> str:
-    """``patch`` (known version), ``force``, ``refuse`` (unknown version) or ``off``."""
-    if mode() == "off":
-        return "off"
-    if vllm_version().startswith(KNOWN_VLLM):
-        return "patch"
-    return "force" if mode() == "force" else "refuse"
-
-
 def draft_kv_cache_dtype() -> str:
-    """The draft KV dtype the overlay gives an EAGLE draft next to a DeepSeek-V4 target."""
+    """The draft KV dtype the overlay gives when the engine options leave it open."""
     return os.environ.get(DTYPE_ENV, "").strip() or "auto"
 
 
@@ -174,85 +200,335 @@ def _wrap(orig, impl):
     return wrapper
 
 
-def _replace(obj, patches: dict[str, tuple[str, object]], target_prefix: str) -> None:
-    """Set ``obj.<attr> = _wrap(old, impl)`` for every named patch, all or none."""
-    missing = [attr for attr, _ in patches.values() if not hasattr(obj, attr)]
-    if missing:
-        for name in patches:
-            record(name, f"{target_prefix}.{patches[name][0]}", "failed",
-                   f"not found in vLLM {vllm_version()}: {', '.join(missing)}")
-        return
-    for name, (attr, impl) in patches.items():
-        setattr(obj, attr, _wrap(getattr(obj, attr), impl))
-        record(name, f"{target_prefix}.{attr}", "applied")
+# --------------------------------------------------------------------------- reading vLLM's source
+class Source:
+    """vLLM's source, one AST node per ``module`` + ``qualname`` (``Class.method``).
+
+    ``Source(path)`` reads a tree that holds ``vllm/`` or a wheel (zip) without importing
+    anything; ``Source()`` reads the objects of the imported modules (``inspect.getsource``
+    of the live class or function, unwrapping the overlay's own wrappers), so the in-process
+    plan and the static plan are decided from the same facts."""
+
+    def __init__(self, path=None):
+        self.path = path
+        self._trees: dict[str, object] = {}
+        self._zip = None
+        if path is not None and not os.path.isdir(path):
+            import zipfile
+
+            self._zip = zipfile.ZipFile(path)
+
+    def text(self, module: str) -> str | None:
+        """A module's source text (static) or None when the release has no such module."""
+        rel = module.replace(".", "/") + ".py"
+        if self._zip is not None:
+            try:
+                return self._zip.read(rel).decode()
+            except KeyError:
+                return None
+        full = os.path.join(self.path, rel)
+        if not os.path.isfile(full):
+            return None
+        with open(full, encoding="utf-8") as f:
+            return f.read()
+
+    def has_module(self, module: str) -> bool:
+        if self.path is None:
+            return module in sys.modules
+        return self.text(module) is not None
+
+    def node(self, module: str, qualname: str):
+        """The ``ClassDef``/``FunctionDef`` (or alias ``Assign``) named ``qualname``."""
+        import ast
+
+        if self.path is None:
+            return self._live_node(module, qualname)
+        if module not in self._trees:
+            text = self.text(module)
+            self._trees[module] = None if text is None else ast.parse(text)
+        node = self._trees[module]
+        for part in qualname.split("."):
+            node = None if node is None else _child(node, part)
+        return node
+
+    @staticmethod
+    def _live_node(module: str, qualname: str):
+        import ast
+        import inspect
+        import textwrap
+
+        obj = sys.modules.get(module)
+        for part in qualname.split("."):
+            obj = None if obj is None else (vars(obj).get(part) if isinstance(obj, type)
+                                            else getattr(obj, part, None))
+        if obj is None or not (inspect.isclass(obj) or inspect.isfunction(obj)):
+            return None
+        return ast.parse(textwrap.dedent(inspect.getsource(inspect.unwrap(obj)))).body[0]
 
 
-def _gated(names) -> bool:
-    """Whether to patch now; for versions the gate turns away, notes why (quietly)."""
-    decision = gate()
-    if decision in ("patch", "force"):
-        return True
-    detail = (f"{MODE_ENV}=off" if decision == "off" else
-              f"vLLM {vllm_version()} is not 0.21.x/0.22.x ({MODE_ENV}=force to patch anyway)")
-    for name in names:
-        PATCHES[name] = {"target": PLAN[name], "status": "off" if decision == "off" else
-                         "skipped", "detail": detail}
-    return False
+def _child(node, name: str):
+    import ast
+
+    for child in node.body:
+        if isinstance(child, (ast.ClassDef, ast.FunctionDef)) and child.name == name:
+            return child
+        if isinstance(child, ast.Assign) and any(
+                getattr(t, "id", None) == name for t in child.targets):
+            return child
+    return None
+
+
+def calls(node) -> list[str]:
+    """What a function calls, as written (``layer.hc_post``, ``mhc_post_tilelang``...)."""
+    import ast
+
+    if node is None:
+        return []
+    return sorted({ast.unparse(n.func) for n in ast.walk(node) if isinstance(n, ast.Call)})
+
+
+def params(node) -> list[str] | None:
+    """Positional parameter names of a function node (None if there is no function)."""
+    import ast
+
+    if not isinstance(node, ast.FunctionDef):
+        return None
+    return [a.arg for a in (*node.args.posonlyargs, *node.args.args)]
+
+
+def mentions(node, name: str) -> bool:
+    """Whether ``name`` occurs in the node as a name, attribute or string."""
+    import ast
+
+    return node is not None and any(
+        getattr(n, "id", None) == name or getattr(n, "attr", None) == name
+        or getattr(n, "value", None) == name for n in ast.walk(node))
 
 
 # --------------------------------------------------------------------------- draft cache config
-def _own_draft_dtype(proposer) -> str | None:
-    """KV dtype for the draft's own CacheConfig, or None to keep vLLM's behaviour."""
+def draft_facts(src: Source) -> dict:
+    """What the plan needs to know about the draft's cache config."""
+    make = src.node(PROPOSER, "SpecDecodeBaseProposer._create_draft_vllm_config")
+    spec = src.node(SPEC_CONFIG, "SpeculativeConfig")
+    return {
+        "create_draft_vllm_config": make is not None,
+        "speculative_kv_cache_dtype": spec is not None and any(
+            getattr(getattr(n, "target", None), "id", None) == "kv_cache_dtype"
+            for n in spec.body),
+        "draft_sets_sliding_window": mentions(make, "sliding_window"),
+    }
+
+
+def draft_plan(facts: dict) -> dict:
+    """``draft-kv-dtype`` and ``draft-window``: native | patched | not needed | refused."""
+    target = f"{PROPOSER}.SpecDecodeBaseProposer._create_draft_vllm_config"
+    if not facts["create_draft_vllm_config"]:
+        detail = ("SpecDecodeBaseProposer._create_draft_vllm_config, which the patch wraps, "
+                  "is missing; use vLLM 0.21-0.33")
+        return dict.fromkeys(("draft-kv-dtype", "draft-window"),
+                             plan_entry("refused", {}, detail))
+    patch = {"draft-cache-config": target}
+    if facts["speculative_kv_cache_dtype"]:
+        dtype = plan_entry("native", patch, (
+            "speculative_config.kv_cache_dtype; left unset, the overlay sets it to "
+            f"${DTYPE_ENV} or auto (the target's fp8_ds_mla fits no draft attention)"))
+    else:
+        dtype = plan_entry("patched", patch, (
+            f"SpeculativeConfig has no kv_cache_dtype: the draft gets its own CacheConfig, "
+            f"cache_dtype ${DTYPE_ENV} (default auto)"))
+    if facts["draft_sets_sliding_window"]:
+        window = plan_entry("not needed", {}, "the draft's cache config sets its own window")
+    else:
+        window = plan_entry("patched", patch, (
+            "the draft would inherit the target's sliding window (128 for DeepSeek-V4); "
+            "it gets the window vLLM gives it as a main model"))
+    return {"draft-kv-dtype": dtype, "draft-window": window}
+
+
+def plan_entry(action: str, patches: dict, detail: str) -> dict:
+    """One feature's plan: native | patched | not needed | refused, the patches (name ->
+    replaced object) and why."""
+    return {"action": action, "patches": dict(patches), "detail": detail}
+
+
+def _applies(proposer) -> bool:
+    """An eagle/eagle3 draft next to a DeepSeek-V4 target (or the dtype variable is set)."""
     if proposer.method not in ("eagle", "eagle3"):
-        return None  # MTP drafts are DeepSeek-V4 layers: they must share the target's layout
+        return False  # MTP drafts are DeepSeek-V4 layers: they must share the target's layout
     hf = getattr(getattr(proposer.vllm_config, "model_config", None), "hf_config", None)
-    if not os.environ.get(DTYPE_ENV, "").strip() and getattr(hf, "model_type", "") != "deepseek_v4":
-        return None
+    return bool(os.environ.get(DTYPE_ENV, "").strip()) or (
+        getattr(hf, "model_type", "") == "deepseek_v4")
+
+
+def _checked_dtype(dtype: str, source: str) -> str:
     from typing import get_args
 
     from vllm.config.cache import CacheDType
 
-    dtype = draft_kv_cache_dtype()
     if dtype not in get_args(CacheDType):
-        raise ValueError(f"{DTYPE_ENV}={dtype!r} is not a vLLM KV-cache dtype; "
+        raise ValueError(f"{source}={dtype!r} is not a vLLM KV-cache dtype; "
                          f"choose one of {', '.join(get_args(CacheDType))}")
     return dtype
 
 
 def _draft_config(orig, proposer):
-    """``_create_draft_vllm_config`` whose result carries the draft's own CacheConfig."""
+    """``_create_draft_vllm_config`` whose result carries the draft's own CacheConfig: the
+    dtype the engine options give (native ``speculative_config.kv_cache_dtype``), else
+    ``$EAGLE3_DRAFT_KV_CACHE_DTYPE`` or ``auto``, and the draft's own sliding window."""
     import copy
 
     draft = orig(proposer)
-    dtype = _own_draft_dtype(proposer)
-    if dtype is None:
+    if not _applies(proposer):
         return draft
-    from vllm.transformers_utils.config import is_interleaved
-
-    model = proposer.speculative_config.draft_model_config
+    spec = proposer.speculative_config
+    env = os.environ.get(DTYPE_ENV, "").strip()
+    native = getattr(spec, "kv_cache_dtype", None) if _native_draft_dtype else None
+    if native is not None:  # vLLM has already applied it (>= 0.26)
+        dtype, source = native, "speculative_config.kv_cache_dtype"
+        if env:
+            _info("DeepSeek-V4 EAGLE-3 overlay: %s=%s ignored: speculative_config."
+                  "kv_cache_dtype=%s is set", DTYPE_ENV, env, native)
+    else:  # what vLLM >= 0.26 does for speculative_config.kv_cache_dtype=dtype
+        dtype = _checked_dtype(env or "auto", DTYPE_ENV)
+        source = DTYPE_ENV if env else "overlay default"
+    model = spec.draft_model_config
     cache = copy.copy(draft.cache_config)
     cache.cache_dtype = dtype
     # As EngineArgs does for a main model: a window only for all-sliding-window models.
-    cache.sliding_window = None if is_interleaved(model.hf_text_config) else (
-        model.get_sliding_window())
+    layer_types = getattr(model.hf_text_config, "layer_types", None)
+    cache.sliding_window = model.get_sliding_window() if layer_types is None or all(
+        t == "sliding_attention" for t in layer_types) else None
     if draft is proposer.vllm_config:
         draft = copy.copy(draft)
     object.__setattr__(draft, "cache_config", cache)
-    _info("DeepSeek-V4 EAGLE-3 overlay: draft KV cache dtype %s, sliding window %s "
-          "(target keeps %s)", dtype, cache.sliding_window,
-          proposer.vllm_config.cache_config.cache_dtype)
+    _info("DeepSeek-V4 EAGLE-3 overlay: draft KV cache dtype %s (%s), sliding window %s "
+          "(target keeps %s, window %s)", dtype, source, cache.sliding_window,
+          proposer.vllm_config.cache_config.cache_dtype,
+          proposer.vllm_config.cache_config.sliding_window)
     return draft
 
 
 def patch_proposer(module) -> None:
-    """Import hook for ``llm_base_proposer``."""
-    if _gated(["draft-cache-config"]):
-        _replace(module.SpecDecodeBaseProposer,
-                 {"draft-cache-config": ("_create_draft_vllm_config", _draft_config)},
-                 f"{module.__name__}.SpecDecodeBaseProposer")
+    """Import hook for ``llm_base_proposer``: the draft's own cache config, as planned."""
+    global _native_draft_dtype
+    import importlib
+
+    importlib.import_module(SPEC_CONFIG)  # read below; vLLM has imported it already
+    facts = draft_facts(Source())
+    plan = draft_plan(facts)
+    targets = adopt("engine", plan, "draft", facts)
+    if mode() == "off" or "draft-cache-config" not in targets:
+        return
+    _native_draft_dtype = plan["draft-kv-dtype"]["action"] == "native"
+    cls = module.SpecDecodeBaseProposer
+    cls._create_draft_vllm_config = _wrap(cls._create_draft_vllm_config, _draft_config)
+    record("draft-cache-config", targets["draft-cache-config"], "applied")
+
+
+def plan_patches(plan: dict) -> dict[str, str]:
+    """Patch name -> replaced object over a plan's features."""
+    return {k: v for entry in plan.values() for k, v in entry["patches"].items()}
 
 
 # --------------------------------------------------------------------------- KV-cache layout
+_SLOT_LAYOUTS = ("_bucket_layers_by_page_size", "_get_packed_kv_cache_layout")
+_TUPLE_LAYOUTS = ("full_mla_spec.get_page_sizes",)
+
+
+def _layout(node) -> str:
+    """How a KV planner places pages: one slot per layer, or per DeepSeek-V4 layer tuple."""
+    called = calls(node)
+    if any(c in called for c in _SLOT_LAYOUTS):
+        return "per-layer-slots"
+    if any(c in called for c in _TUPLE_LAYOUTS):
+        return "layer-tuples"
+    return "unknown"
+
+
+def kv_facts(src: Source) -> dict:
+    """What the plan needs to know about vLLM's KV-cache grouping and layout."""
+    import ast
+
+    module = next((m for m in KV_MODULES if src.node(m, "get_kv_cache_groups")), KV_UTILS)
+    groups = src.node(module, "get_kv_cache_groups")
+    grouping = src.node(module, "group_and_unify_kv_cache_specs")
+    called = calls(groups)
+    planner = next((c for c in calls(src.node(module, "get_kv_cache_config_from_groups"))
+                    if c.startswith("_get_kv_cache_config_")), None)
+    pool = src.node(module, "_pool_bytes_per_block")
+    keeps = None
+    if grouping is not None:
+        keeps = sorted({ast.unparse(n.args[1]) for n in ast.walk(grouping)
+                        if isinstance(n, ast.Call) and ast.unparse(n.func) == "isinstance"})
+    if "group_and_unify_kv_cache_specs" in called:
+        kind = "deepseek-v4-mla-only" if keeps == ["MLAAttentionSpec",
+                                                   "SlidingWindowMLASpec"] else "unknown"
+    elif "_get_packed_kv_cache_groups" in called:
+        kind = "generic"
+    else:
+        kind = "unknown"
+    return {
+        "kv_module": module,
+        "grouping": kind,
+        "v4_grouping_keeps": keeps,
+        "get_kv_cache_groups_params": params(groups),
+        "planner": planner,
+        "planner_params": params(src.node(module, planner)) if planner else None,
+        "planner_layout": _layout(src.node(module, planner)) if planner else None,
+        "pool_bytes_params": params(pool),
+        "pool_bytes_layout": _layout(pool),
+        "memory_params": params(src.node(module, "_max_memory_usage_bytes_from_groups")),
+    }
+
+
+KV_GROUPS_PARAMS = ["vllm_config", "kv_cache_spec"]
+KV_MEMORY_PARAMS = ["vllm_config", "kv_cache_groups"]
+KV_PLANNER_PARAMS = ["vllm_config", "kv_cache_groups", "available_memory"]
+KV_POOL_PARAMS = ["kv_cache_groups"]
+
+
+def kv_plan(facts: dict) -> dict:
+    """``kv-grouping``: native (generic grouping) | patched | refused, with its patches."""
+    m = facts["kv_module"]
+    if facts["grouping"] == "generic":
+        return {"kv-grouping": plan_entry("not needed", {}, (
+            "get_kv_cache_groups packs any mix of specs (_get_packed_kv_cache_groups): the "
+            "draft's full-attention layer is grouped like any other"))}
+    advice = "use vLLM 0.21-0.28 with this overlay, or >= 0.29 (generic grouping)"
+    if facts["grouping"] != "deepseek-v4-mla-only":
+        return {"kv-grouping": plan_entry("refused", {}, (
+            f"get_kv_cache_groups in {m} groups in a way the overlay does not know; {advice}"))}
+    wrong = [f"{name}{got}" for name, got, want in (
+        ("get_kv_cache_groups", facts["get_kv_cache_groups_params"], KV_GROUPS_PARAMS),
+        ("_max_memory_usage_bytes_from_groups", facts["memory_params"], KV_MEMORY_PARAMS))
+        if got != want]
+    patches = {"kv-groups": f"{m}.get_kv_cache_groups",
+               "kv-memory-check": f"{m}._max_memory_usage_bytes_from_groups"}
+    if (facts["planner_layout"], facts["pool_bytes_layout"]) == ("layer-tuples",) * 2:
+        patches |= {"kv-tensors": f"{m}.{facts['planner']}",
+                    "kv-pool-bytes": f"{m}._pool_bytes_per_block"}
+        wrong += [f"{name}{got}" for name, got, want in (
+            (facts["planner"], facts["planner_params"], KV_PLANNER_PARAMS),
+            ("_pool_bytes_per_block", facts["pool_bytes_params"], KV_POOL_PARAMS))
+            if got != want]
+        layout = (f"{facts['planner']} lays pages out per layer tuple: each draft layer gets a "
+                  "tensor of its own")
+    elif (facts["planner_layout"], facts["pool_bytes_layout"]) == ("per-layer-slots",) * 2:
+        layout = (f"{facts['planner']} (the planner get_kv_cache_config_from_groups calls) "
+                  "gives every layer of group 0 its own page slot: no tensor patch needed")
+    else:
+        wrong.append(f"page layout {facts['planner']}={facts['planner_layout']}, "
+                     f"_pool_bytes_per_block={facts['pool_bytes_layout']}")
+        layout = ""
+    if wrong:
+        return {"kv-grouping": plan_entry("refused", {}, (
+            f"{m} differs from what the KV patches were written for ({'; '.join(wrong)}); "
+            f"{advice}"))}
+    return {"kv-grouping": plan_entry("patched", patches, (
+        "group_and_unify_kv_cache_specs keeps only MLA specs for DeepSeek-V4: the draft's "
+        f"full-attention layers join group 0; {layout}"))}
+
+
 def _is_v4_spec(spec) -> bool:
     """A DeepSeek-V4 cache spec: SWA/compressor state or a compressed (C4/C128/indexer) MLA."""
     return isinstance(spec, _kvi.SlidingWindowMLASpec) or (
@@ -343,20 +619,29 @@ def _kv_pool_bytes(orig, kv_cache_groups):
     return orig(groups) + sum(s.page_size_bytes for s in extra.values())
 
 
-def patch_kv_cache_utils(module) -> None:
-    """Import hook for ``kv_cache_utils``."""
+KV_IMPLS = {"kv-groups": _kv_groups, "kv-tensors": _kv_tensors,
+            "kv-memory-check": _kv_memory, "kv-pool-bytes": _kv_pool_bytes}
+
+
+def patch_kv_cache(module) -> None:
+    """Import hook for the KV-cache planning modules: the draft's layers join the V4 layout."""
     global _kvi
-    if not _gated(["kv-groups", "kv-tensors", "kv-memory-check", "kv-pool-bytes"]):
+    if module.__name__ == KV_UTILS and not hasattr(module, "get_kv_cache_groups") and (
+            module_exists(KV_PLANNING)):
+        return  # vLLM >= 0.33: the grouping lives in kv_cache_planning (hooked too)
+    facts = kv_facts(Source())
+    plan = kv_plan(facts)
+    targets = adopt("engine", plan, "kv", facts)
+    if mode() == "off" or not targets:
         return
     import vllm.v1.kv_cache_interface as kvi
 
     _kvi = kvi
-    _replace(module, {
-        "kv-groups": ("get_kv_cache_groups", _kv_groups),
-        "kv-tensors": ("_get_kv_cache_config_deepseek_v4", _kv_tensors),
-        "kv-memory-check": ("_max_memory_usage_bytes_from_groups", _kv_memory),
-        "kv-pool-bytes": ("_pool_bytes_per_block", _kv_pool_bytes),
-    }, module.__name__)
+    for name, target in targets.items():
+        owner, attr = target.rsplit(".", 1)
+        owner = sys.modules[owner]
+        setattr(owner, attr, _wrap(getattr(owner, attr), KV_IMPLS[name]))
+        record(name, target, "applied")
 
 
 # --------------------------------------------------------------------------- entry point
@@ -368,4 +653,5 @@ def installed() -> bool:
 def install() -> None:
     """Register the import hooks (idempotent; imports neither torch nor vLLM)."""
     when_imported(PROPOSER, patch_proposer)
-    when_imported(KV_UTILS, patch_kv_cache_utils)
+    for module in KV_MODULES:
+        when_imported(module, patch_kv_cache)

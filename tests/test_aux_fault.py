@@ -73,3 +73,21 @@ def test_unknown_fault_and_uninstall(tmp_path, monkeypatch):
     site = _site(tmp_path, True)
     aux_fault.remove_pth(site)
     assert not (site / aux_fault.PTH_NAME).exists() and not (site / aux_fault.DIR_NAME).exists()
+
+
+def test_stream0_fault_on_the_real_overlay(tmp_path):
+    """The overlay as `speclab overlay install` lays it out: its `capture_aux` is the hook."""
+    from speclab import overlay
+
+    site = tmp_path / "site"
+    overlay.install(site)
+    aux_fault.write_pth(site)
+    probe = ("import json, site, sys, torch; site.addsitedir(sys.argv[1]);"
+             "import deepseek_v4_eagle3_aux as m; s = torch.arange(24.0).view(2, 4, 3);"
+             "print(json.dumps(m.capture_aux(s).tolist()))")
+    env = {**os.environ, aux_fault.FAULT_ENV: "stream0"}
+    r = subprocess.run([sys.executable, "-c", probe, str(site)], env=env, capture_output=True,
+                       text=True, timeout=300, check=False)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout.strip().splitlines()[-1]) == [[0.0, 1.0, 2.0],
+                                                             [12.0, 13.0, 14.0]]

@@ -302,6 +302,15 @@ def check_run(expected: dict, arm: str, run_dir: Path) -> dict:
             "env": points[0].get("env", {})}
 
 
+def same_weights(expected: dict, arm: str) -> dict[str, bool]:
+    """Whether this machine's build of the arm's target and draft has the weights the
+    expectations were computed on (sha256 of model.safetensors)."""
+    from speclab import fixtures
+
+    return {n: _sha256(fixtures.build(n) / "model.safetensors")
+            == expected["fixtures"][n]["safetensors_sha256"] for n in (TARGET, ARMS[arm]["draft"])}
+
+
 def _last_prompt_tokens(expected: dict) -> list[int]:
     from speclab import prompts
 
@@ -333,7 +342,10 @@ def main(argv=None) -> int:
         print(json.dumps({arm: r["counters"]["accepted_per_pos"] for arm, r in
                           res["arms"].items()}))
         return 0
-    out = check_run(json.loads(a.expected.read_text()), a.arm, a.run_dir)
+    expected = json.loads(a.expected.read_text())
+    out = check_run(expected, a.arm, a.run_dir)
+    out["same_weights"] = same_weights(expected, a.arm)
     (a.run_dir / f"expected_check_{a.arm}.json").write_text(json.dumps(out, indent=1) + "\n")
-    print(json.dumps({key: out[key] for key in ("arm", "exact", "outputs_counting")}))
+    print(json.dumps({key: out[key] for key in ("arm", "exact", "outputs_counting",
+                                                "per_prompt_match", "same_weights")}))
     return 0 if out["exact"] and out["outputs_counting"] else 1

@@ -4,11 +4,14 @@ data/prompts/tiny-dsv4-ids.jsonl (16 prompts of 16/64/256/1024 tokens: the longe
 the C4/C128 compressed-attention layers) and data/prompts/rig-dsv4-ids.jsonl (8 prompts of 8
 tokens for the counting rig). Random ids from `speclab.fixtures.dsv4_rigs.rig_prompt_token_ids`
 (seeded), which keeps every prompt and its 64-token counting continuation clear of special
-tokens and of the vocabulary's end. Deterministic: `python tools/make_token_prompts.py`."""
+tokens and of the vocabulary's end. data/prompts/layer-rig-dsv4-ids.jsonl: 16 prompts of
+8/16/32/64 tokens for the layer-exact rig (vocab 512,
+`speclab.fixtures.dsv4_layer_rig.rig_prompts`). Deterministic: `python tools/make_token_prompts.py`."""
 
 import json
 from pathlib import Path
 
+from speclab.fixtures.dsv4_layer_rig import LAYER_RIG_CONFIG, rig_prompts
 from speclab.fixtures.dsv4_rigs import rig_prompt_token_ids
 
 OUT = Path(__file__).resolve().parents[1] / "data" / "prompts"
@@ -28,6 +31,9 @@ def main() -> None:
     write("rig-dsv4-ids", [{"id": f"rig-{i}", "category": "rig", "prompt_token_ids": ids}
                            for i, ids in enumerate(rig_prompt_token_ids(2048, n=8, length=8,
                                                                         seed=7))])
+    ids = rig_prompts(LAYER_RIG_CONFIG["vocab_size"], n=16, max_tokens=64, k=3, seed=11)
+    write("layer-rig-dsv4-ids", [{"id": f"layer-rig-{i}-len{len(p)}", "category": f"len{len(p)}",
+                                  "prompt_token_ids": p} for i, p in enumerate(ids)])
 
 
 if __name__ == "__main__":

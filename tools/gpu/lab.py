@@ -111,7 +111,6 @@ job("neartie-parity", 1, 1200, sweep("tiny-dsv4-neartie-h200", NEAR, "--with-par
 job("tp2-ep", 2, 900, ["bash", "-c", "; ".join(
     " ".join(sweep(p, r, "--with-parity", "--only", "'*tp2-ep*'"))
     for p, r in (("tiny-dsv4-h200", DIAL), ("tiny-dsv4-neartie-h200", NEAR)))], [DIAL, NEAR])
-job("aux-check", 1, 420, [PY, f"{T}/aux_check.py", "--run-dir", f"data/runs/{DIAL}"], [DIAL])
 # The overlay's cost in one eager engine (tools/gpu/overlay_cost.py): installed-but-unused vs
 # vLLM's own forward, alternating per decode step, and the aux capture per verify step
 COST = f"h200-dsv4-cost-{STAMP}"
@@ -129,6 +128,66 @@ job("dial-026", 1, 900, sweep("tiny-dsv4-h200", DIAL, "--only", "k0_*,k3_*dkv-au
     vllm="0.26", after=("rig-026",))
 job("cost-026", 1, 420, [PY, f"{T}/overlay_cost.py", "--run-dir", f"data/runs/{COST}"], [COST],
     vllm="0.26", exclusive=True)
+
+
+# Layer-exact rig (issue 12; speclab.fixtures.dsv4_layer_rig): one run folder per arm, each
+# checked against the committed CPU expectations (`tools/layer_rig.py check ARM RUN` writes
+# expected_check_<arm>.json; rc 1 unless counters are exact and outputs count). The positive
+# arm eager and compiled; negatives (eager), each must read ~0 at position 1: the other
+# convention, hc stream 0 instead of the mean (fault through the overlay's capture_aux: 0.22 +
+# overlay only; tools/gpu/aux_fault.py), aux slots permuted (rotated draft). On vLLM 0.26 the
+# same arms but neg-stream0 (jobs `<name>-026`; run folders carry the release via STAMP).
+# Then the aux states against the transformers reference with neighbour controls
+# (tools/gpu/aux_check.py, which replaced the old same-pass recomputation `aux-check` job) on
+# tiny-dsv4 (random weights) and on the rig.
+LR = f"h200-dsv4-layer-rig-{STAMP}"
+LR_PROFILE = "tiny-dsv4-layer-rig"
+FIXTURES += ["layer-rig-dsv4", "layer-rig-dsv4-eagle3", "layer-rig-dsv4-eagle3-perm"]
+LR_ARMS = {  # job suffix: (expectation arm, sweep override or None, extra env)
+    "": ("positive", None, {}),
+    "-compiled": ("positive", COMPILED, {}),
+    "-neg-input": ("neg-input", '{"env": {"EAGLE3_AUX_LAYER_CONVENTION": "input"}}', {}),
+    "-neg-stream0": ("neg-stream0", '{"env": {"SPECLAB_AUX_FAULT": "stream0"}}', {}),
+    "-neg-perm": ("neg-perm", '{"draft": "fixture:layer-rig-dsv4-eagle3-perm"}', {}),
+}
+
+
+def layer_rig_cmd(run: str, arm: str, override: str | None, *, tp2: bool = False) -> list[str]:
+    extra = ["--override", override] if override else []
+    if tp2:
+        extra = ["--override", '{"grid": {"layout": [{"tp": 2, "ep": true}]}}']
+    steps = [" ".join(sweep(LR_PROFILE, run, *(f"'{x}'" if x.startswith("{") else x
+                                               for x in extra))),
+             f"{PY} tools/layer_rig.py check {arm} data/runs/{run}"]
+    if arm == "neg-stream0":  # the fault's .pth, only while this arm runs
+        fault = f"{PY} {T}/aux_fault.py"
+        steps = [f"{fault} install", f"trap '{fault} uninstall' EXIT", *steps]
+    return ["bash", "-c", " && ".join(steps)]
+
+
+for suffix, (arm, override, env) in LR_ARMS.items():
+    run = LR + ("-positive" if suffix in ("", "-compiled") else "") + suffix
+    job(f"layer-rig{suffix}", 1, 600 if "compiled" in suffix else 420,
+        layer_rig_cmd(run, arm, override), [run], env=env)
+    if arm != "neg-stream0":  # 0.26: the native forward has no capture_aux to fault
+        job(f"layer-rig{suffix}-026", 1, 600 if "compiled" in suffix else 420,
+            layer_rig_cmd(run, arm, override), [run], env=env, vllm="0.26")
+job("layer-rig-tp2-ep", 2, 600, layer_rig_cmd(f"{LR}-positive-tp2-ep", "positive", None, tp2=True),
+    [f"{LR}-positive-tp2-ep"])
+AUX = [PY, f"{T}/aux_check.py", "--run-dir", f"data/runs/{LR}-aux"]
+job("aux-check-tiny", 1, 480, [*AUX, "--tag", "tiny-dsv4", "--target", "tiny-dsv4", "--draft",
+                                "tiny-dsv4-eagle3"], [f"{LR}-aux"])
+job("aux-check-rig", 1, 480, [*AUX, "--tag", "layer-rig", "--target", "layer-rig-dsv4",
+                              "--draft", "layer-rig-dsv4-eagle3", "--prompt-file",
+                              "data/prompts/layer-rig-dsv4-ids.jsonl", "--prompts", "3"],
+    [f"{LR}-aux"])
+job("aux-check-rig-compiled", 1, 600, [*AUX, "--tag", "layer-rig-compiled", "--target",
+                                       "layer-rig-dsv4", "--draft", "layer-rig-dsv4-eagle3",
+                                       "--prompt-file", "data/prompts/layer-rig-dsv4-ids.jsonl",
+                                       "--prompts", "3", "--compiled"], [f"{LR}-aux"])
+for name in ("aux-check-tiny", "aux-check-rig"):  # the same on vLLM 0.26's native capture
+    j = next(x for x in JOBS if x["name"] == name)
+    job(f"{name}-026", 1, j["timeout"], j["cmd"], j["runs"], vllm="0.26")
 
 
 def log(msg: str, fh=None) -> None:

@@ -37,7 +37,7 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-STATE = Path("/tmp/speclab_lab")
+STATE = Path(os.environ.get("LAB_STATE", "/tmp/speclab_lab"))  # one per concurrent lab.py
 PY = sys.executable
 SPECLAB = [PY, "-m", "speclab"]
 RUNS = REPO / "data" / "runs"
@@ -126,6 +126,12 @@ job("stock-error", 1, 300, sweep("tiny-dsv4-rig", f"{RIG}-stock", "--only", "k3_
 job("rig-026", 1, 600, sweep("tiny-dsv4-rig", RIG), [RIG], vllm="0.26")
 job("dial-026", 1, 900, sweep("tiny-dsv4-h200", DIAL, "--only", "k0_*,k3_*dkv-auto*"), [DIAL],
     vllm="0.26", after=("rig-026",))
+job("dial-022", 1, 900, sweep("tiny-dsv4-h200", DIAL, "--only", "k0_*,k3_*dkv-auto*"), [DIAL])
+# stock 0.26 (overlay off) with a Llama draft next to DeepSeek-V4: expected to fail at engine
+# start ("Some layers are not assigned to any group.", overlay/README.md): recorded as data
+job("stock-error-026", 1, 300, sweep("tiny-dsv4-layer-rig", f"{RIG}-stock", "--override",
+                                     '{"env": {"DSV4_EAGLE3_OVERLAY": "off"}, "overlay": "off"}'),
+    [f"{RIG}-stock"], expect_fail=True, vllm="0.26")
 job("cost-026", 1, 420, [PY, f"{T}/overlay_cost.py", "--run-dir", f"data/runs/{COST}"], [COST],
     vllm="0.26", exclusive=True)
 

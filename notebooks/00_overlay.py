@@ -2,6 +2,11 @@
 # jupyter:
 #   jupytext:
 #     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -16,20 +21,23 @@
 
 # %% tags=["parameters"]
 profile = "tiny-cpu"
-run_dir = "../data/runs/tiny-cpu"
-figures_dir = "../figures/tiny-cpu"
+# None: data/runs/<profile name> and figures/<profile name> (speclab.paths.notebook_folders)
+run_dir = None
+figures_dir = None
 overrides = {}
 execute = True
 
 # %%
+import pandas as pd
 from IPython.display import display
 
-from speclab import engine, overlay, profiles, sweep
+from speclab import engine, overlay, paths, profiles, sweep
 from speclab.report import record
 
+run_dir, figures_dir = paths.notebook_folders(profile, run_dir, figures_dir)
 prof = sweep.profile_for(run_dir, profile, overrides, execute)
 env = engine.versions()
-display(env)
+display(pd.Series(env, name="this machine (executing the notebooks)").dropna().to_frame())
 
 # %%
 status = overlay.status()

@@ -21,22 +21,28 @@
 
 # %% tags=["parameters"]
 profile = "tiny-cpu"
-run_dir = "../data/runs/tiny-cpu"
-figures_dir = "../figures/tiny-cpu"
+# None: data/runs/<profile name> and figures/<profile name> (speclab.paths.notebook_folders)
+run_dir = None
+figures_dir = None
 overrides = {}
 execute = True
 # "offline" (vllm.LLM in a worker per point) or "server" (`vllm serve` per point, driven at
 # each concurrency level over the OpenAI API; README "Offline or server mode?")
 mode = "offline"
 concurrency = [1, 4]
+# offline points run "local" (here, one after another) or on a "ray" cluster; None: the
+# profile's choice (README "On a Ray cluster")
+executor = None
 
 # %%
 from IPython.display import display
 
-from speclab import analysis, parity, plots, server, sweep
+from speclab import analysis, parity, paths, plots, provenance, server, summary, sweep
 from speclab.report import record
 
+run_dir, figures_dir = paths.notebook_folders(profile, run_dir, figures_dir)
 prof = sweep.profile_for(run_dir, profile, overrides, execute)
+prof = prof.model_copy(update={"executor": executor or prof.executor})
 points = sweep.expand(prof)
 if mode == "server":
     ids = [server.level_id(p, c) for p in points for c in concurrency]
@@ -49,14 +55,20 @@ else:
         sweep.run(prof, run_dir, points)
 pts, recs = sweep.results_for(run_dir, ids)
 failed = pts[pts.status != "ok"]
-display(failed[["point_id", "error"]] if len(failed) else "all points ok")
+if len(failed):
+    display(failed[["point_id", "error"]])
+else:
+    print(f"all {len(pts)} points ok")
+caption = provenance.caption(run_dir)
 
 # %%
 acc = analysis.acceptance(recs, points=pts)
 spd = analysis.speed(pts)
 fig = plots.al_and_speed_vs_k(acc, spd, prof.draft_cost, title=f"{prof.name}: {prof.description}")
-plots.save(fig, figures_dir, "al_speed_vs_k" + ("_server" if mode == "server" else ""))
-display(spd.round(3))
+plots.save(fig, figures_dir, "al_speed_vs_k" + ("_server" if mode == "server" else ""), caption)
+table = summary.table(run_dir)
+display(summary.display_table(table[table.point_id.isin(ids)]))
+print(summary.AL_METHOD)
 
 # %% [markdown]
 # Server-mode points of this run (from this or an earlier server-mode execution): throughput,
@@ -67,17 +79,18 @@ display(spd.round(3))
 curve = analysis.load_curve(*sweep.load_results(run_dir))
 if len(curve):
     fig = plots.load_vs_concurrency(curve, title=f"{prof.name}: server mode")
-    plots.save(fig, figures_dir, "load_vs_concurrency")
-    display(curve.round(4))
+    plots.save(fig, figures_dir, "load_vs_concurrency", caption)
+    display(summary.readable(curve))
 
 # %% [markdown]
 # Greedy speculative output against plain greedy output of the same configuration
 # (token ids; notebook 03 explains any difference). Offline mode.
 
 # %%
-summary, _ = parity.evaluate(parity.versus_plain(points) if mode == "offline" else [], recs, pts,
-                             near_tie=prof.parity.near_tie)
-display(summary[[c for c in ("arm", "status", "exact", "n", "match_rate") if c in summary]])
+par, _ = parity.evaluate(parity.versus_plain(points) if mode == "offline" else [], recs, pts,
+                         near_tie=prof.parity.near_tie)
+display(summary.readable(par[[c for c in ("arm", "status", "exact", "n", "match_rate", "match_lo",
+                                          "match_hi") if c in par]]))
 
 # %%
 record(
@@ -92,5 +105,5 @@ record(
               for pid in pts.point_id[pts.status == "ok"] if (m := sweep.read_meta(run_dir, pid))},
     throughput={r.point_id: r.throughput_tok_s for r in spd.itertuples()},
     load_curve=curve.to_dict("records"),
-    match_rate={r["arm"]: r.get("match_rate") for r in summary.to_dict("records")},
+    match_rate={r["arm"]: r.get("match_rate") for r in par.to_dict("records")},
 )

@@ -22,8 +22,9 @@
 
 # %% tags=["parameters"]
 profile = "tiny-cpu"
-run_dir = "../data/runs/tiny-cpu"
-figures_dir = "../figures/tiny-cpu"
+# None: data/runs/<profile name> and figures/<profile name> (speclab.paths.notebook_folders)
+run_dir = None
+figures_dir = None
 overrides = {}
 execute = True
 # prompt formats compared at k = parity.spec_k (None: the profile's compare_formats)
@@ -32,9 +33,10 @@ formats = None
 # %%
 from IPython.display import display
 
-from speclab import analysis, plots, sweep
+from speclab import analysis, convention, paths, plots, provenance, summary, sweep
 from speclab.report import record
 
+run_dir, figures_dir = paths.notebook_folders(profile, run_dir, figures_dir)
 prof = sweep.profile_for(run_dir, profile, overrides, execute)
 grid_points = [p for p in sweep.expand(prof) if p.k > 0]
 base = grid_points[0] if grid_points else None
@@ -42,30 +44,53 @@ fmt_points = [base.model_copy(update={"k": prof.parity.spec_k, "prompt_format": 
               for f in (formats if formats is not None else prof.compare_formats)] if base else []
 if execute:
     sweep.run(prof, run_dir, fmt_points)
-_, recs = sweep.results_for(run_dir, grid_points + fmt_points)
+pts, recs = sweep.results_for(run_dir, grid_points + fmt_points)
+caption = provenance.caption(run_dir)
 
 # %%
-acc = analysis.acceptance(recs[recs.point_id.isin([p.id for p in grid_points])])
+acc = analysis.acceptance(recs[recs.point_id.isin([p.id for p in grid_points])],
+                          n_boot=summary.N_BOOT)
 fig = plots.per_position(analysis.per_position_long(acc), title=f"{prof.name}: per-position acceptance")
-plots.save(fig, figures_dir, "per_position")
-display(acc.reindex(columns=["point_id", "k", "mean_acceptance_length", "al_lo", "al_hi",
-                             "per_position", "conditional"]).round(3))
+plots.save(fig, figures_dir, "per_position", caption)
+display(summary.readable(acc.reindex(columns=[
+    "point_id", "k", "n_requests", "mean_acceptance_length", "al_lo", "al_hi", "per_position",
+    "conditional"])))
+print(summary.AL_METHOD)
 
 # %%
 hist = analysis.histogram(recs[recs.point_id.isin(acc.point_id)])
 fig = plots.acceptance_histogram(hist, title=f"{prof.name}: tokens per verify step")
-plots.save(fig, figures_dir, "acceptance_histogram")
+plots.save(fig, figures_dir, "acceptance_histogram", caption)
 
 # %%
-cat = analysis.acceptance(recs[recs.point_id.isin([p.id for p in fmt_points])], by=["category"])
+cat = analysis.acceptance(recs[recs.point_id.isin([p.id for p in fmt_points])], by=["category"],
+                          n_boot=summary.N_BOOT)
 if len(cat):
     fig = plots.by_category(cat, title=f"{prof.name}: AL by category, k={prof.parity.spec_k}")
-    plots.save(fig, figures_dir, "by_category")
-    display(cat[["prompt_format", "category", "n_requests", "mean_acceptance_length", "al_lo",
-                 "al_hi"]].round(3))
+    plots.save(fig, figures_dir, "by_category", caption)
+    display(summary.readable(cat[["prompt_format", "category", "n_requests",
+                                  "mean_acceptance_length", "al_lo", "al_hi"]]))
+
+# %% [markdown]
+# ### Aux-layer convention
+# Where the grid sweeps `aux_layer_convention` (output: id L = output of layer L; input:
+# vLLM's id L = input of layer L), per-position acceptance per convention side by side; the
+# convention the draft was trained with is the one with clearly higher acceptance.
+
+# %%
+conv = convention.by_convention(pts, recs[recs.point_id.isin(acc.point_id)])
+conv_found = convention.findings(conv)
+if conv.convention.nunique() > 1:
+    fig = convention.plot(conv, title=f"{prof.name}: acceptance per aux-layer convention")
+    plots.save(fig, figures_dir, "aux_convention")
+    display(conv[["point_id", "convention", "applied", "effective_capture_after_layers",
+                  "position", "unconditional", "u_lo", "u_hi"]].round(3))
+print(conv_found["text"])
 
 # %%
 record(
+    aux_convention={"winner": conv_found["winner"], "text": conv_found["text"],
+                    "groups": conv_found["groups"]},
     per_position={r.point_id: {"k": int(r.k), "unconditional": r.per_position,
                                "u_lo": r.pp_lo, "u_hi": r.pp_hi, "conditional": r.conditional,
                                "al": r.mean_acceptance_length} for r in acc.itertuples()},

@@ -24,8 +24,9 @@
 
 # %% tags=["parameters"]
 profile = "tiny-cpu"
-run_dir = "../data/runs/tiny-cpu"
-figures_dir = "../figures/tiny-cpu"
+# None: data/runs/<profile name> and figures/<profile name> (speclab.paths.notebook_folders)
+run_dir = None
+figures_dir = None
 overrides = {}
 execute = True
 # True: ipywidgets explorer; False: the default slice as a static figure
@@ -38,9 +39,10 @@ from pathlib import Path
 
 from IPython.display import display
 
-from speclab import explorer, plots, sweep
+from speclab import explorer, paths, plots, provenance, sweep
 from speclab.report import record
 
+run_dir, figures_dir = paths.notebook_folders(profile, run_dir, figures_dir)
 prof = sweep.profile_for(run_dir, profile, overrides, execute=False)  # results only
 others = runs if runs is not None else explorer.find_runs(Path(run_dir).parent)
 run_dirs = [Path(run_dir), *(Path(d) for d in others if Path(d).name != Path(run_dir).name)]
@@ -52,7 +54,7 @@ if interactive:
     text = None
 else:
     fig, text = explorer.static([run_dir], prof.draft_cost)
-    plots.save(fig, figures_dir, "explorer_default")
+    plots.save(fig, figures_dir, "explorer_default", provenance.caption(run_dir))
     print(text)
 
 # %%

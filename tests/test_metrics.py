@@ -111,8 +111,8 @@ def test_cli_parse_log_prints_json_lines(tmp_path):
                          capture_output=True, text=True, check=True).stdout.splitlines()
     recs = [json.loads(line) for line in out]
     assert len(recs) == 2
-    assert set(recs[0]) == {"accepted", "drafted", "acceptance_rate", "mean_acceptance_length",
-                            "per_position"}
+    assert set(recs[0]) == {"line", "timestamp", "accepted", "drafted", "acceptance_rate",
+                            "mean_acceptance_length", "per_position"}
     assert recs[1]["per_position"] == [0.543, 0.357, 0.264]
 
 
@@ -199,3 +199,46 @@ def test_acceptance_uses_engine_counters_where_attribution_failed():
     assert set(by_cat.point_id) == {"ok"} and len(by_cat) == 2
     # without points every row comes from the per-request counters
     assert (analysis.acceptance(records, n_boot=50).source == "requests").all()
+
+
+def _parse_log_cli(tmp_path, text: str):
+    log = tmp_path / "engine.log"
+    log.write_text(text)
+    return subprocess.run([sys.executable, "-m", "speclab", "metrics", "parse-log", str(log)],
+                          capture_output=True, text=True)
+
+
+def test_cli_parse_log_keeps_good_lines_around_a_bad_one(tmp_path):
+    bad = NEW.replace("Mean acceptance length: 2.40", "Mean acceptance length: 2.4.0")
+    assert bad != NEW
+    r = _parse_log_cli(tmp_path, "\n".join([NEW, "noise", bad, OLD]))
+    recs = [json.loads(line) for line in r.stdout.splitlines()]
+    assert [x["line"] for x in recs] == [1, 4]
+    assert recs[1]["accepted"] == 150
+    assert r.returncode == 1
+    assert "engine.log:3: malformed mean acceptance length: '2.4.0'" in r.stderr
+
+
+def test_cli_parse_log_keeps_timestamps_and_writes_null_for_nan(tmp_path):
+    nan_line = ("INFO 06-06 14:20:40 [metrics.py:86] SpecDecoding metrics: Mean acceptance "
+                "length: nan, Accepted: 0 tokens, Drafted: 0 tokens, Per-position acceptance "
+                "rate: nan, nan")
+    r = _parse_log_cli(tmp_path, "\n".join([OLD, nan_line]))
+    assert r.returncode == 0, r.stderr
+    assert "NaN" not in r.stdout
+    old, nan = (json.loads(line) for line in r.stdout.splitlines())
+    assert old["timestamp"] == "06-06 14:20:34" and nan["timestamp"] == "06-06 14:20:40"
+    assert nan["mean_acceptance_length"] is None and nan["per_position"] == [None, None]
+    assert nan["acceptance_rate"] is None
+
+
+def test_cli_parse_log_fails_when_nothing_matches(tmp_path):
+    r = _parse_log_cli(tmp_path, "INFO just an engine log\nno metrics here\n")
+    assert r.returncode == 1 and r.stdout == ""
+    assert "no 'SpecDecoding metrics:' line" in r.stderr
+
+
+def test_parse_log_names_the_bad_line():
+    with pytest.raises(ValueError, match="line 2: malformed"):
+        metrics.parse_log("\n".join([OLD, OLD.replace("0.357", "0.3x7").replace(
+            "acceptance rate: 0.543", "acceptance rate: 0.5.43")]))

@@ -13,7 +13,8 @@ pytestmark = [pytest.mark.notebooks, pytest.mark.vllm]
 SMOKE = {"prompts": {"limit": 8}, "max_tokens": 32,
          "grid": {"num_speculative_tokens": [0, 1, 3]},
          "parity": {"arms": ["spec", "repeat"], "k_values": [1, 3], "spec_k": 3},
-         "compare_formats": ["raw", "chat"]}
+         "compare_formats": ["raw", "chat"],
+         "timed_passes": 1}  # timing rounds: tests/test_trust.py, tests/test_sweep.py
 
 
 @pytest.fixture(scope="module")

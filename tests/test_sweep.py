@@ -38,7 +38,7 @@ def rig_profile(tmp_path, fixture_cache) -> Path:
         "max_tokens": 12, "grid": {"num_speculative_tokens": [0, 2, 3]},
         "engine": {"dtype": "float32", "enforce_eager": True, "max_model_len": 256,
                    "kv_cache_memory_bytes": 64 << 20},
-        "env": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}, "timeout_s": 300}))
+        "env": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}, "timeout_s": 300, "timed_passes": 2}))
     return p
 
 
@@ -63,18 +63,27 @@ def test_interrupted_sweep_resumes_without_recomputing(rig_profile, tmp_path, fi
     os.killpg(proc.pid, 15)  # interrupt mid-sweep (the second point's worker is running)
     proc.wait(timeout=60)
     done = {p.name: (_digest(p), p.stat().st_mtime_ns) for p in (run_dir / "points").glob("k*")}
+    first_metas = {p.name: json.loads(p.read_text()) for p in (run_dir / "points").glob("k*.json")}
     assert "k0_kv-auto_tp1_raw.parquet" in done
     assert not list((run_dir / "points").glob(".*.parquet.*")), "partial file left behind"
 
     assert _run(rig_profile, run_dir, "retry", env).wait(timeout=900) == 0
     prof = load(rig_profile)
-    for name, (digest, mtime) in done.items():  # nothing recomputed or rewritten
+    for name, (digest, mtime) in done.items():  # nothing recomputed
         p = run_dir / "points" / name
-        assert (_digest(p), p.stat().st_mtime_ns) == (digest, mtime), name
+        if p.suffix == ".parquet":
+            assert (_digest(p), p.stat().st_mtime_ns) == (digest, mtime), name
+    for name, meta in first_metas.items():  # the timing round only added its pass
+        now = json.loads((run_dir / "points" / name).read_text())
+        assert now["passes"][0] == meta["passes"][0] and now["started_at"] == meta["started_at"]
     metas = {m["point_id"]: m for m in
              map(json.loads, map(Path.read_text, (run_dir / "points").glob("[!.]*.json")))}
     ids = [p.id for p in sweep.expand(prof)]
     assert all(metas[i]["status"] == "ok" for i in ids)
+    # two timed rounds each, the sampling settings and fingerprint recorded
+    assert all([p["round"] for p in metas[i]["passes"]] == [1, 2] for i in ids)
+    assert all(metas[i]["sampling"]["max_tokens"] == 12 for i in ids)
+    assert len({metas[i]["fingerprint"]["digest"] for i in ids}) == len(ids)
     bad = [m for m in metas.values() if m["status"] == "error"]
     assert len(bad) == 1 and "max_model_len" in bad[0]["error"] + bad[0].get("log_tail", "")
 

@@ -72,9 +72,39 @@ def acceptance(records: pd.DataFrame, by: list[str] | None = None, *,
     return pd.DataFrame(rows)
 
 
+def mean_ci(x) -> tuple[float, float, float]:
+    """(mean, lo, hi): Student-t 95% interval of the mean (NaN bounds below 2 values)."""
+    from scipy import stats
+
+    x = np.asarray(x, dtype=float)
+    m = float(x.mean()) if x.size else np.nan
+    if x.size < 2:
+        return m, np.nan, np.nan
+    h = stats.t.ppf(0.975, x.size - 1) * x.std(ddof=1) / np.sqrt(x.size)
+    return m, m - h, m + h
+
+
+def ratio_ci(num, den) -> tuple[float, float, float]:
+    """(geometric mean, lo, hi) of paired ratios num[i]/den[i] (one pair per timing round):
+    a t-interval on the log ratios, transformed back."""
+    r = np.log(np.asarray(num, dtype=float) / np.asarray(den, dtype=float))
+    m, lo, hi = mean_ci(r)
+    return float(np.exp(m)), float(np.exp(lo)), float(np.exp(hi))
+
+
+def _passes(row) -> dict[int, float]:
+    """{round: tok/s} of a point's timed passes (a point from before rounds: its one pass)."""
+    passes = row.get("passes")
+    if isinstance(passes, list) and passes:
+        return {int(p["round"]): float(p["tok_s"]) for p in passes}
+    return {1: float(row["throughput_tok_s"])}
+
+
 def speed(points: pd.DataFrame) -> pd.DataFrame:
     """Throughput per ok point and speedup over the plain (k=0) point of the same KV dtype,
-    layout, prompt format and repeat."""
+    layout, prompt format and repeat, with 95% CIs from the timing rounds: throughput is the
+    mean over rounds (t-interval), speedup the geometric mean of the per-round ratios to the
+    plain point's pass of the same round (t-interval on log ratios); n_rounds pairs."""
     ok = points[points.status == "ok"].copy() if len(points) else points
     if ok.empty:
         return pd.DataFrame(columns=["point_id", "k", *KEYS, "throughput_tok_s",
@@ -83,16 +113,36 @@ def speed(points: pd.DataFrame) -> pd.DataFrame:
         ok[col] = ok[f"point.{col}"] if f"point.{col}" in ok else None
     ok["layout"] = ok.apply(_layout_label, axis=1)
     ok["mean_acceptance_length"] = ok.get("counters.mean_acceptance_length", np.nan)
-    # server mode: one point per concurrency level (offline points have none: -1)
-    ok["concurrency"] = ok.get("concurrency", pd.Series(np.nan, index=ok.index)).fillna(-1)
+    # server mode: requests in flight; offline: the point's batch cap (a batch-1 arm); else NA
+    def num(col: str) -> pd.Series:
+        return pd.to_numeric(ok[col], errors="coerce") if col in ok else \
+            pd.Series(np.nan, index=ok.index)
+
+    conc = num("concurrency").fillna(num("point.concurrency"))
+    ok["concurrency"] = conc.fillna(-1)  # -1 only to match baselines, NA in the table
     key = KEYS + ["repeat", "concurrency"]
-    base = ok[ok.k == 0].drop_duplicates(key).set_index(key).throughput_tok_s
-    ok["baseline_tok_s"] = [base.get(tuple(r[key]), np.nan) for _, r in ok.iterrows()]
-    ok["speedup"] = ok.throughput_tok_s / ok.baseline_tok_s
+    passes = {r.point_id: _passes(r) for _, r in ok.iterrows()}
+    tput = [mean_ci(list(passes[pid].values())) for pid in ok.point_id]
+    ok["throughput_tok_s"] = [t[0] for t in tput]
+    ok["tput_lo"], ok["tput_hi"] = [t[1] for t in tput], [t[2] for t in tput]
+    base = ok[ok.k == 0].drop_duplicates(key).set_index(key).point_id
+    rows = []
+    for _, r in ok.iterrows():
+        b = base.get(tuple(r[key]))
+        pairs = sorted(set(passes[r.point_id]) & set(passes[b])) if b is not None else []
+        rows.append((ok.throughput_tok_s[ok.point_id == b].iloc[0] if b is not None else np.nan,
+                     *(ratio_ci([passes[r.point_id][i] for i in pairs],
+                                [passes[b][i] for i in pairs]) if pairs else (np.nan,) * 3),
+                     len(pairs)))
+    (ok["baseline_tok_s"], ok["speedup"], ok["speedup_lo"], ok["speedup_hi"],
+     ok["n_rounds"]) = zip(*rows) if rows else ([],) * 5
+    ok["concurrency"] = conc.astype("Int64")
     cols = ["point_id", "k", "draft_kv_cache_dtype", "repeat", "concurrency", *KEYS,
-            "throughput_tok_s",
-            "baseline_tok_s", "speedup", "mean_acceptance_length", "timings.engine_init_s",
-            "timings.generate_s", "timings.harness_s", "wall_s"]
+            "throughput_tok_s", "tput_lo", "tput_hi", "baseline_tok_s", "speedup",
+            "speedup_lo", "speedup_hi", "n_rounds", "mean_acceptance_length",
+            "timings.engine_init_s",
+            "timings.generate_s", "timings.harness_s", "wall_s",
+            "side_by_side"]  # Ray executor: points that shared the node while this one ran
     return ok[[c for c in cols if c in ok]].sort_values(["layout", "kv_cache_dtype", "k"])
 
 

@@ -16,7 +16,9 @@ in that verify step).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -177,3 +179,46 @@ def reference_streams(ref, seq: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
     order = sorted(st)
     return (np.stack([st[n].mean(1).numpy() for n in order]),
             np.stack([st[n][:, 0].numpy() for n in order]))
+
+
+def report_html(run_dir: Path) -> Path:
+    """Render a folder of aux checks (`aux_check_<tag>.{json,md}`, tools/gpu/aux_check.py) as
+    one page, `report.html`: per check, where and on what it was measured, the verdict and
+    the tables (configured layer vs neighbours and stream 0). Returns the page's path."""
+    import html
+
+    import mistune
+
+    run_dir = Path(run_dir)
+    checks = sorted(run_dir.glob("aux_check_*.json"))
+    if not checks:
+        raise FileNotFoundError(f"{run_dir}: no aux_check_*.json (tools/gpu/aux_check.py writes them)")
+    parts = []
+    for path in checks:
+        meta = json.loads(path.read_text())
+        v = meta.get("versions", {})
+        table = path.with_suffix(".md")
+        parts.append(
+            f"<h2>{html.escape(path.stem.removeprefix('aux_check_'))}: "
+            f"{'configured layer closest everywhere' if meta.get('verdict') else 'FAILED'}</h2>"
+            f"<p>Measured {html.escape(str(meta.get('date')))} on {html.escape(str(v.get('gpu')))}"
+            f" ×{html.escape(str(v.get('gpu_count')))}, vLLM {html.escape(str(v.get('vllm')))}, "
+            f"torch {html.escape(str(v.get('torch')))}, CUDA {html.escape(str(v.get('cuda')))}; "
+            f"target {html.escape(str(meta.get('target')))}, draft "
+            f"{html.escape(str(meta.get('draft')))}, k={meta.get('k')}, "
+            f"{'eager' if meta.get('enforce_eager') else 'compiled'}.<br>"
+            f"Command: <code>{html.escape(str(meta.get('command')))}</code></p>"
+            + (mistune.html(table.read_text()) if table.exists() else "<p>no table</p>"))
+    page = ("<!doctype html><meta charset='utf-8'><title>aux check: " + html.escape(run_dir.name)
+            + "</title><style>body{font-family:sans-serif;max-width:70em;margin:auto}"
+            "table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:2px 6px;"
+            "text-align:right}</style>"
+            f"<h1>Aux states vs the transformers reference: {html.escape(run_dir.name)}</h1>"
+            "<p>Per captured slot and phase: the relative error and cosine of the states vLLM "
+            "hands the draft against the reference's stream mean after the configured number of "
+            "layers, whether that layer is the closest at every position, and how many times "
+            "further one layer fewer, one more, and hyper-connection stream 0 are (margin / "
+            "configured error).</p>" + "".join(parts))
+    out = run_dir / "report.html"
+    out.write_text(page)
+    return out

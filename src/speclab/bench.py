@@ -1,5 +1,7 @@
-"""Benchmark: split one sweep point's wall time into engine start, generation and the harness's
-own work (worker spawn and imports, prompts, metrics, records, plotting). Prints numbers."""
+"""Benchmarks that print numbers: `main` splits one sweep point's wall time into engine start,
+generation and the harness's own work (worker spawn and imports, prompts, metrics, records,
+plotting); `overhead` measures what stepping the engine for per-request attribution costs
+against `LLM.generate` on the same point."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from speclab import analysis, plots, profiles, sweep
+from speclab import analysis, engine, plots, profiles, prompts, sweep
 
 
 def main(profile_name: str, k: int, run_id: str) -> int:
@@ -52,4 +54,62 @@ def main(profile_name: str, k: int, run_id: str) -> int:
     print(f"  harness       {harness_s:7.2f} s  = {harness_s / wall:.1%} of wall "
           f"(in-worker bookkeeping {t['harness_s']:.2f}, plotting {plot_s:.2f}, "
           f"process spawn + imports {harness_s - t['harness_s'] - plot_s:.2f})")
+    return 0
+
+
+def overhead(profile_name: str, k: int, rounds: int) -> int:
+    """Stepped generation (`engine.generate_stepwise`, what the sweep times) against
+    `LLM.generate` on one engine and the same prompts, in `rounds` rounds whose order
+    alternates; prints each round and the time ratio stepped/generate (geometric mean with a
+    95% t-interval). Both must give the same greedy tokens."""
+    import os
+
+    prof = profiles.load(profile_name)
+    point = next((p for p in sweep.expand(prof) if p.k == k), None)
+    if point is None:
+        raise ValueError(f"k={k} is not in profile {prof.name}'s grid")
+    os.environ.update(prof.env)
+    from vllm import SamplingParams
+
+    plist = prompts.load(profiles.prompt_file(prof), limit=prof.prompts.limit,
+                         categories=prof.prompts.categories, seed=prof.prompts.seed)
+    target = profiles.resolve_model(prof.target)
+    draft = profiles.resolve_model(prof.draft) if k else None
+    args, env = engine.engine_args(prof, point, target, draft, engine.native_draft_kv_dtype())
+    os.environ.update(env)
+    sp = SamplingParams(temperature=prof.temperature, max_tokens=prof.max_tokens,
+                        ignore_eos=prof.ignore_eos, seed=prof.seed,
+                        detokenize=not prof.skip_tokenizer_init)
+    with engine.open_llm(args) as llm:
+        tok = None if prof.skip_tokenizer_init else llm.get_tokenizer()
+        ids = prompts.to_token_ids(plist, tok, point.prompt_format)
+        inputs = [{"prompt_token_ids": x} for x in ids]
+
+        def stepped():
+            t0 = time.perf_counter()
+            out = engine.generate_stepwise(llm, ids, sp, point.concurrency)
+            return time.perf_counter() - t0, [tr["output_token_ids"] for tr in out]
+
+        def plain():
+            t0 = time.perf_counter()
+            out = llm.generate(inputs, sp, use_tqdm=False)
+            return time.perf_counter() - t0, [list(o.outputs[0].token_ids) for o in out]
+
+        stepped(), plain()  # warm-up: shapes and sampling paths
+        times: dict[str, list[float]] = {"stepped": [], "generate": []}
+        print(f"BENCH stepping-overhead profile={prof.name} point={point.id} "
+              f"requests={len(ids)} max_tokens={prof.max_tokens} rounds={rounds}")
+        for r in range(rounds):
+            order = (("stepped", stepped), ("generate", plain))[:: 1 if r % 2 == 0 else -1]
+            outs = {}
+            for name, fn in order:
+                dt, outs[name] = fn()
+                times[name].append(dt)
+            if outs["stepped"] != outs["generate"]:
+                print(f"  round {r + 1}: outputs differ (stepped vs generate)")
+            print(f"  round {r + 1}: stepped {times['stepped'][-1]:.3f} s, generate "
+                  f"{times['generate'][-1]:.3f} s")
+    ratio, lo, hi = analysis.ratio_ci(times["stepped"], times["generate"])
+    print(f"  stepped/generate time ratio {ratio:.4f} [95% CI {lo:.4f}, {hi:.4f}] over "
+          f"{rounds} rounds ({(ratio - 1) * 100:+.2f}%)")
     return 0

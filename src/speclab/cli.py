@@ -11,28 +11,121 @@ import time
 from pathlib import Path
 
 
-def _params(pairs: list[str]) -> dict:
-    out = {}
-    for pair in pairs:
-        key, _, value = pair.partition("=")
-        if not _:
-            raise SystemExit(f"-p expects KEY=VALUE, got {pair!r}")
+def _value(text: str):
+    """A parameter value as papermill's -p reads it, plus YAML/JSON lists and mappings:
+    1 → int, 0.5 → float, true/True → bool, None/null → None, [1, 4] → list, else str."""
+    import yaml
+
+    if text in ("None", "none"):
+        return None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def _params(pairs: list[list[str]], files: list[str]) -> dict:
+    """Notebook parameters: `-f FILE` YAML mappings in order, then `-p KEY VALUE` pairs
+    (`-p KEY=VALUE` is read the same way)."""
+    import yaml
+
+    out: dict = {}
+    for f in files:
         try:
-            out[key] = json.loads(value)
-        except json.JSONDecodeError:
-            out[key] = value
+            data = yaml.safe_load(Path(f).read_text()) or {}
+        except (OSError, yaml.YAMLError) as e:
+            raise ValueError(f"-f {f}: cannot read parameters: {e}") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"-f {f}: expected a mapping of parameter names to values")
+        out.update(data)
+    for pair in pairs:
+        if len(pair) == 1 and "=" in pair[0]:
+            pair = pair[0].split("=", 1)
+        if len(pair) != 2:
+            raise ValueError(f"-p expects KEY VALUE, got {' '.join(pair)!r}")
+        out[pair[0]] = _value(pair[1])
+    return out
+
+
+def _override(text: str | None) -> dict | None:
+    """--override: a YAML/JSON mapping merged into the profile."""
+    if not text:
+        return None
+    value = _value(text)
+    if not isinstance(value, dict):
+        raise ValueError(f"--override expects a mapping, e.g. '{{max_tokens: 32}}', got {text!r}")
+    return value
+
+
+def _out_roots(a) -> tuple[Path | None, Path | None]:
+    """--out DIR: runs under DIR/data/runs, figures under DIR/figures."""
+    if not getattr(a, "out", None):
+        return None, None
+    root = Path(a.out).expanduser().resolve()
+    return root / "data" / "runs", root / "figures"
+
+
+def _run_id(a, prof) -> str:
+    """--run-id, else `<profile>-local`; --fresh adds the time (a new, empty run folder).
+    Sets a.resume, the line an interrupt prints."""
+    from speclab import sweep
+
+    run_id = a.run_id or sweep.default_run_id(prof.name)
+    if a.fresh:
+        run_id = sweep.fresh_run_id(run_id)
+    a.resume = (f"finished points are kept in {sweep.run_dirs(run_id)[0]}; resume with "
+                f"`speclab {a.cmd} --profile {a.profile} --run-id {run_id}`")
+    return run_id
+
+
+def _notebooks(names: str | None) -> list[str]:
+    import difflib
+
+    from speclab import report
+
+    if not names:
+        return list(report.SUITE)
+    out = names.split(",")
+    have = sorted(p.stem for p in report.NOTEBOOK_DIR.glob("*.ipynb"))
+    for name in out:
+        if name not in have:
+            close = difflib.get_close_matches(name, have, n=1)
+            raise ValueError(f"--notebooks: unknown notebook {name!r}"
+                             + (f" (did you mean {close[0]}?)" if close else "")
+                             + f"; available: {', '.join(have)}")
     return out
 
 
 def cmd_run(a) -> int:
-    from speclab import report
+    from speclab import profiles, report, runlock, sweep
 
     t0 = time.time()
-    path = report.run_suite(a.profile, run_id=a.run_id,
-                            notebooks=a.notebooks.split(",") if a.notebooks else report.SUITE,
-                            parameters=_params(a.param))
+    notebooks = _notebooks(a.notebooks)
+    params = _params(a.param, a.param_file)
+    if a.override:
+        params["overrides"] = {**params.get("overrides", {}), **_override(a.override)}
+    runs_root, figures_root = _out_roots(a)
+    run_id = _run_id(a, profiles.load(a.profile, params.get("overrides")))
+    try:
+        with runlock.hold(sweep.run_dirs(run_id, runs_root)[0]):
+            path = report.run_suite(a.profile, run_id=run_id, notebooks=notebooks,
+                                    parameters=params, runs_root=runs_root,
+                                    figures_root=figures_root)
+    except report.NotebookFailed as e:
+        print(f"speclab: error: {e}", file=sys.stderr)
+        return 1
     print(f"BENCH main-job profile={a.profile} wall_s={time.time() - t0:.1f} report={path}")
     return 0
+
+
+def _levels(text: str) -> list[int]:
+    try:
+        levels = [int(c) for c in text.split(",")]
+    except ValueError:
+        levels = []
+    if not levels or min(levels) < 1:
+        raise ValueError(f"--concurrency {text}: give request counts >= 1, e.g. 1,4,16")
+    return levels
 
 
 def cmd_sweep(a) -> int:
@@ -40,7 +133,15 @@ def cmd_sweep(a) -> int:
 
     from speclab import parity, profiles, server, sweep
 
-    prof = profiles.load(a.profile, json.loads(a.override) if a.override else None)
+    over = _override(a.override) or {}
+    if a.executor:
+        over["executor"] = a.executor
+    if a.ray_address:
+        over.setdefault("ray", {})["address"] = a.ray_address
+    prof = profiles.load(a.profile, over)
+    if a.mode == "server" and prof.executor != "local":
+        raise ValueError("server mode runs on this machine only (--executor local)")
+    levels = _levels(a.concurrency) if a.mode == "server" else []
     problems = profiles.check_env(prof)
     if problems:
         raise profiles.ProfileError("\n".join(problems))
@@ -52,9 +153,8 @@ def cmd_sweep(a) -> int:
     points = list({p.id: p for p in points}.values())
     if a.only:
         points = [p for p in points if any(fnmatch.fnmatch(p.id, g) for g in a.only.split(","))]
-    run_dir, _ = sweep.run_dirs(a.run_id or prof.name)
+    run_dir, _ = sweep.run_dirs(_run_id(a, prof), _out_roots(a)[0])
     if a.mode == "server":
-        levels = [int(c) for c in a.concurrency.split(",")]
         res = [m for p in points for m in server.run_point(prof, p, run_dir, levels)]
     else:
         res = sweep.run(prof, run_dir, points, retry_failed=not a.no_retry)
@@ -109,9 +209,17 @@ def cmd_overlay(a) -> int:
     return 0
 
 
-def cmd_fixtures(a) -> int:
-    from speclab import fixtures
+def cmd_aux_report(a) -> int:
+    from speclab import auxcheck
 
+    print(auxcheck.report_html(Path(a.run_dir)))
+    return 0
+
+
+def cmd_fixtures(a) -> int:
+    from speclab import fixtures, progress
+
+    progress.log_to_stdout()  # the build's steps (training loss, times)
     cache = Path(a.cache) if a.cache else None
     names = a.names or list(fixtures.FIXTURES)
     if a.action == "list":
@@ -129,15 +237,37 @@ def cmd_metrics(a) -> int:
     from speclab import metrics
 
     text = sys.stdin.read() if a.file == "-" else Path(a.file).read_text(errors="replace")
-    for rec in metrics.parse_log(text):
-        print(json.dumps(rec))
-    return 0
+    found = errors = 0
+    for n, ts, rec, err in metrics.scan_log(text):
+        if err:
+            errors += 1
+            print(f"speclab: {a.file}:{n}: {err}", file=sys.stderr)
+            continue
+        found += 1
+        print(json.dumps({"line": n, "timestamp": ts, **rec}, allow_nan=False), flush=True)
+    if not found and not errors:
+        print(f"speclab: error: no 'SpecDecoding metrics:' line in {a.file}", file=sys.stderr)
+    return 0 if found and not errors else 1
 
 
 def cmd_bench(a) -> int:
     from speclab import bench
 
+    if a.overhead:
+        return bench.overhead(a.profile, a.k, a.rounds)
     return bench.main(a.profile, a.k, a.run_id)
+
+
+def _common(p) -> None:
+    """The options `run` and `sweep` share, spelled the same."""
+    p.add_argument("--profile", default="tiny-cpu", help="profile name or YAML path")
+    p.add_argument("--run-id", help="run folder name under data/runs (default: <profile>-local; "
+                   "a finished point is resumed when its fingerprint matches)")
+    p.add_argument("--out", metavar="DIR", help="output root: runs in DIR/data/runs, figures in "
+                   "DIR/figures (default: $SPECLAB_OUT, else the checkout, else the working "
+                   "directory)")
+    p.add_argument("--override", metavar="YAML", help="mapping merged into the profile, e.g. "
+                   "'{max_tokens: 32, engine: {enforce_eager: false}}'")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -145,22 +275,30 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="cmd", required=True)
 
     p = sub.add_parser("run", help="main job: execute the notebook suite, write the HTML report")
-    p.add_argument("--profile", default="tiny-cpu")
-    p.add_argument("--run-id", help="run folder name under data/runs (default: the profile name)")
+    _common(p)
+    p.add_argument("--fresh", action="store_true",
+                   help="measure into a new run folder (<run-id>-<UTC time>), resume nothing")
     p.add_argument("--notebooks", help="comma-separated subset, e.g. 00_overlay,01_sweep")
-    p.add_argument("-p", "--param", action="append", default=[],
-                   help="notebook parameter KEY=JSON (repeatable)")
+    p.add_argument("-p", "--parameters", dest="param", nargs="+", action="append", default=[],
+                   metavar=("KEY", "VALUE"),
+                   help="notebook parameter, as papermill's -p (repeatable); VALUE may be YAML/"
+                        "JSON: -p mode server -p concurrency '[1, 4]'")
+    p.add_argument("-f", "--parameters-file", dest="param_file", action="append", default=[],
+                   metavar="FILE", help="YAML file of notebook parameters (as papermill's -f)")
     p.set_defaults(fn=cmd_run)
 
     p = sub.add_parser("sweep", help="run a profile's grid only (resumes)")
-    p.add_argument("--profile", default="tiny-cpu")
-    p.add_argument("--run-id")
+    _common(p)
+    p.add_argument("--fresh", action="store_true",
+                   help="measure into a new run folder (<run-id>-<UTC time>), resume nothing")
     p.add_argument("--no-retry", action="store_true", help="do not retry failed points")
     p.add_argument("--with-parity", action="store_true",
                    help="also run the points of the profile's parity arms")
     p.add_argument("--only", help="comma-separated globs over point ids, e.g. 'k0_*,k3_*'")
-    p.add_argument("--override", help="JSON merged into the profile, e.g. "
-                   "'{\"engine\": {\"enforce_eager\": false}}'")
+    p.add_argument("--executor", choices=["local", "ray"],
+                   help="where points run (default: the profile's, local unless it says ray)")
+    p.add_argument("--ray-address", help="Ray cluster address (default: the profile's, else "
+                   "RAY_ADDRESS, else a Ray instance started here)")
     p.add_argument("--mode", choices=["offline", "server"], default="offline")
     p.add_argument("--concurrency", default="1,4",
                    help="server mode: comma-separated concurrency levels")
@@ -192,6 +330,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true")
     p.set_defaults(fn=cmd_fixtures)
 
+    p = sub.add_parser("aux-report", help="render a folder of GPU aux checks as report.html")
+    p.add_argument("run_dir")
+    p.set_defaults(fn=cmd_aux_report)
+
     p = sub.add_parser("metrics", help="metrics utilities")
     msub = p.add_subparsers(dest="action", required=True)
     m = msub.add_parser("parse-log", help="JSON per 'SpecDecoding metrics:' line of a vLLM log")
@@ -202,21 +344,31 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", default="tiny-cpu")
     p.add_argument("--k", type=int, default=3)
     p.add_argument("--run-id", default="bench")
+    p.add_argument("--overhead", action="store_true", help="instead: stepped generation (the "
+                   "sweep's per-request attribution) against LLM.generate on one engine")
+    p.add_argument("--rounds", type=int, default=10, help="--overhead: alternating rounds")
     p.set_defaults(fn=cmd_bench)
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
     from speclab.profiles import ProfileError
+    from speclab.runlock import RunLocked
 
     a = build_parser().parse_args(argv)
     # SIGTERM unwinds like Ctrl-C, so worker processes and servers are stopped on the way out
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         return a.fn(a)
-    except (ProfileError, ValueError, FileNotFoundError) as e:
+    except (ProfileError, ValueError, FileNotFoundError, RunLocked) as e:
         print(f"speclab: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        # the worker in flight was stopped on the way out; nothing partial was recorded
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        hint = getattr(a, "resume", None)
+        print(f"speclab: interrupted{'; ' + hint if hint else ''}", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

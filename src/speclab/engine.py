@@ -14,6 +14,8 @@ from contextlib import contextmanager
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any, Iterator
 
+from speclab import convention
+
 DRAFT_KV_ENV = "EAGLE3_DRAFT_KV_CACHE_DTYPE"
 # Set by tools/gpu/lab.py when several jobs share one GPU (--slots): a cap on each engine's
 # gpu_memory_utilization, and a fixed KV-cache size, which also skips vLLM's memory profiling
@@ -86,6 +88,7 @@ def engine_args(profile, point, target: str, draft: str | None,
             spec["kv_cache_dtype"] = point.draft_kv_cache_dtype
         args["speculative_config"] = spec
         env[DRAFT_KV_ENV] = point.draft_kv_cache_dtype
+        env.update(convention.point_env(profile, point))
     return gpu_share(args), env
 
 

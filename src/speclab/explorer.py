@@ -43,11 +43,13 @@ class Slice:
 
 def variant(meta: dict) -> str:
     """What sets a point apart from a plain grid point: server mode and concurrency, request
-    concurrency, environment or engine overrides, repeat index."""
+    concurrency, aux-layer convention, environment or engine overrides, repeat index."""
     p = Point.model_validate(meta["point"])
     parts = [f"serve c{meta['concurrency']}"] if meta.get("mode") == "server" else []
     if p.concurrency is not None:
         parts.append(f"c{p.concurrency}")
+    if p.aux_layer_convention:
+        parts.append(f"aux-{p.aux_layer_convention}")
     parts += [f"{k}={v}" for k, v in sorted({**p.env, **p.engine}.items())]
     if p.repeat:
         parts.append(f"r{p.repeat}")
@@ -71,7 +73,9 @@ def load(run_dirs: Sequence[str | Path]) -> tuple[pd.DataFrame, pd.DataFrame]:
             continue
         metas = {m["point_id"]: m for m in (json.loads(f.read_text())
                                             for f in (d / "points").glob("[!.]*.json"))}
-        p = p.assign(run=d.name, variant=[variant(metas[i]) for i in p.point_id])
+        a = parity.recorded_analysis(d)  # notebook 03's classes for this run
+        p = p.assign(run=d.name, variant=[variant(metas[i]) for i in p.point_id],
+                     parity_near_tie=a.get("near_tie"), parity_noise_floor=a.get("noise_floor"))
         pts.append(p)
         if len(r):
             r = r.assign(run=d.name, variant=r.point_id.map(dict(zip(p.point_id, p.variant))))
@@ -147,11 +151,20 @@ def tables(points: pd.DataFrame, records: pd.DataFrame, sl: Slice, *,
     rows = []
     for run, g in r.groupby("run", sort=False):
         plain = g[g.k == 0]
+        # the classes notebook 03 used for this run (its near-tie threshold and noise floor);
+        # without its record, near_tie and the plain passes' own self-flips
+        pr = points[points.run == run] if len(points) else points
+        nt, floor = (pr[c].dropna().iloc[0] if c in pr and pr[c].notna().any() else None
+                     for c in ("parity_near_tie", "parity_noise_floor"))
+        nt = near_tie if nt is None else float(nt)
+        floor = parity.noise_floor(plain) if floor is None else float(floor)
         for k, cand in g[g.k > 0].groupby("k"):
             if plain.empty:
                 continue
-            s = parity.summarize(parity.compare(plain, cand, near_tie=near_tie))
-            rows.append({"run": run, "k": int(k), **s})
+            s = parity.summarize(parity.compare(plain, cand, near_tie=nt, plain=plain,
+                                                noise_floor=floor))
+            rows.append({"run": run, "k": int(k), "near_tie_threshold": nt, "noise_floor": floor,
+                         **s})
     return Tables(acc, pos, speed, pd.DataFrame(rows))
 
 
@@ -226,10 +239,17 @@ def summary(t: Tables, sl: Slice) -> str:
         text = (f"{run}: AL {a.mean_acceptance_length:.3f} "
                 f"[{a.al_lo:.3f}, {a.al_hi:.3f}] over {a.n_requests} requests")
         if len(sp) and pd.notna(sp.speedup.iloc[0]):
-            text += f"; speedup {sp.speedup.iloc[0]:.2f}x over k=0 (whole point)"
+            s = sp.speedup.iloc[0]
+            text += f"; speedup {s:.2f}x over k=0 (whole point" + (
+                "; above AL, the bound for a free draft: not a speed result)"
+                if s > 1.05 * a.mean_acceptance_length else ")")
         if len(par):
             q = par.iloc[0]
             text += f"; {q.exact}/{q.n} outputs identical to plain"
+            if q.exact < q.n:
+                text += (f" ({q.near_tie} near-tie < {q.near_tie_threshold:g}, {q.within_noise} "
+                         f"within the noise floor {q.noise_floor:.3g}, {q.substantive} "
+                         f"SUBSTANTIVE, {q.unscored} unscored)")
         lines.append(text)
     return "\n".join(lines)
 
@@ -305,6 +325,6 @@ def static(run_dirs: Sequence[str | Path], draft_cost: float | None = None
     points, records = load(run_dirs)
     runs = list(dict.fromkeys(records.run))[:1] if len(records) else []
     sl = default_slice(records, runs) if runs else Slice(())
-    t = tables(points, records, sl)
+    t = tables(points, records, sl, n_boot=1000)  # the report's CIs (speclab.summary.N_BOOT)
     return figure(t, sl, draft_cost), summary(t, sl)
 

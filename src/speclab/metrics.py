@@ -149,10 +149,20 @@ _LOG_FIELDS = {
 }
 
 
+def _float(text: str, field: str) -> float | None:
+    """A logged number; "nan" → None (JSON null); anything else unparsable → ValueError."""
+    try:
+        x = float(text)
+    except ValueError:
+        raise ValueError(f"malformed {field}: {text.strip()!r}") from None
+    return None if math.isnan(x) else x
+
+
 def parse_log_line(line: str) -> dict | None:
     """One `SpecDecoding metrics:` log line → dict, by field name (both vLLM wordings:
     older lines start with `Draft acceptance rate: x%` and may lack the mean acceptance
-    length and per-position fields). Returns None for other lines."""
+    length and per-position fields); NaN values are None. Returns None for other lines and
+    raises ValueError (naming the field) for a matching line with a malformed number."""
     if "SpecDecoding metrics:" not in line:
         return None
     body = line.split("SpecDecoding metrics:", 1)[1]
@@ -160,23 +170,48 @@ def parse_log_line(line: str) -> dict | None:
     accepted = int(found["accepted"].group(1)) if found["accepted"] else None
     drafted = int(found["drafted"].group(1)) if found["drafted"] else None
     if found["acceptance_pct"]:
-        rate = float(found["acceptance_pct"].group(1)) / 100.0
+        pct = _float(found["acceptance_pct"].group(1), "draft acceptance rate")
+        rate = None if pct is None else pct / 100.0
     else:
-        rate = _div(accepted, drafted) if accepted is not None and drafted else math.nan
+        rate = _div(accepted, drafted) if accepted is not None and drafted else None
     al = found["mean_acceptance_length"]
     pp = found["per_position"]
     return {
         "accepted": accepted,
         "drafted": drafted,
-        "acceptance_rate": None if math.isnan(rate) else rate,
-        "mean_acceptance_length": float(al.group(1)) if al else None,
-        "per_position": [float(x) for x in pp.group(1).split(",")] if pp else [],
+        "acceptance_rate": rate,
+        "mean_acceptance_length": _float(al.group(1), "mean acceptance length") if al else None,
+        "per_position": [_float(x, "per-position acceptance rate")
+                         for x in pp.group(1).split(",")] if pp else [],
     }
 
 
+_LOG_TIME = re.compile(r"(?:\d{4}-)?\d\d-\d\d[ T]\d\d:\d\d:\d\d(?:[.,]\d+)?")
+
+
+def scan_log(text: str):
+    """Each `SpecDecoding metrics:` line of a log as (line number, timestamp as logged or
+    None, record or None, error or None): a malformed line yields its error and the scan
+    goes on."""
+    for n, line in enumerate(text.splitlines(), start=1):
+        if "SpecDecoding metrics:" not in line:
+            continue
+        ts = _LOG_TIME.search(line.split("SpecDecoding metrics:", 1)[0])
+        try:
+            yield n, ts.group(0) if ts else None, parse_log_line(line), None
+        except ValueError as e:
+            yield n, ts.group(0) if ts else None, None, str(e)
+
+
 def parse_log(text: str) -> list[dict]:
-    """Every `SpecDecoding metrics:` line of a log, in order."""
-    return [r for r in map(parse_log_line, text.splitlines()) if r is not None]
+    """Every `SpecDecoding metrics:` line of a log, in order; ValueError (with the line
+    number) at the first malformed one."""
+    out = []
+    for n, _, rec, err in scan_log(text):
+        if err:
+            raise ValueError(f"line {n}: {err}")
+        out.append(rec)
+    return out
 
 
 # --------------------------------------------------------------------- per request

@@ -121,6 +121,12 @@ def _overlay_module(folder: Path):
     return sys.modules["deepseek_v4_eagle3_aux"]
 
 
+def aux_module():
+    """The overlay's ``deepseek_v4_eagle3_aux``: the copy this process loaded, else the
+    shipped one."""
+    return _overlay_module(source_dir())
+
+
 def _probe(folder: Path) -> dict:
     code = ("import json, sys; sys.path.insert(0, sys.argv[1]); import deepseek_v4_eagle3_aux"
             " as m; m.install(); print(json.dumps(m.probe()))")

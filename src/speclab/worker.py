@@ -2,13 +2,19 @@
 
 Loads the engine, warms it up, generates stepwise, and writes the point's records and
 metadata (sweep.write_point). Runs in its own process so GPU memory, crashes and hangs stay
-contained; the parent (sweep.run_point) sets the environment before Python starts."""
+contained; the parent (sweep.run_point) sets the environment before Python starts. A spec
+with mode "timing" only times one more pass (sweep.timing_round). The worker ends its whole
+process group when its parent dies (no orphan keeps a GPU)."""
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
+import signal
+import socket
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -16,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from speclab import engine, metrics, parity, prompts
+from speclab import convention, engine, fingerprint, metrics, parity, prompts
 from speclab.profiles import Profile, prompt_file, resolve_model
 from speclab.sweep import Point, write_point
 
@@ -52,15 +58,79 @@ def records_frame(profile: Profile, point: Point, plist, prompt_ids, traces) -> 
     return pd.DataFrame(rows)
 
 
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """End this process group (the worker and vLLM's engine processes) when the parent dies:
+    the kernel sends SIGTERM on the parent's death (Linux prctl), and a watchdog thread
+    checks the parent's pid every half second (other systems, or a parent gone already).
+    Only the leader of its own process group (as sweep starts it) takes the group down."""
+    def end_group(*_):
+        if os.getpgid(0) == os.getpid():
+            os.killpg(os.getpid(), signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    signal.signal(signal.SIGTERM, end_group)
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+    def watch():
+        while os.getppid() == parent_pid:
+            time.sleep(0.5)
+        end_group()
+
+    threading.Thread(target=watch, daemon=True, name="speclab-parent-watch").start()
+
+
+def guard_parent(spec: dict) -> bool:
+    """Tie this worker to the sweep that started it (spec["parent_pid"]); False when that
+    process is gone already. A worker rerun by hand from a spec file runs untied."""
+    parent = spec.get("parent_pid")
+    if parent == os.getppid():
+        die_with_parent(parent)
+    elif parent and not _alive(parent):
+        return False
+    return True
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
+def timed_pass(llm, prompt_ids, sp, concurrency) -> tuple[list[dict], dict]:
+    """One timed stepped generation: (traces, pass record for the point's `passes`)."""
+    g0 = time.perf_counter()
+    traces = engine.generate_stepwise(llm, prompt_ids, sp, concurrency)
+    gen_s = time.perf_counter() - g0
+    n_out = sum(len(tr.get("output_token_ids", [])) for tr in traces)
+    # the 1-minute load average: other work on the machine shows in it
+    return traces, {"generate_s": gen_s, "output_tokens": n_out, "tok_s": n_out / gen_s,
+                    "at": time.time(), "load_avg_1m": os.getloadavg()[0]}
+
+
 def main(spec_path: str) -> int:
     started = time.time()
     spec = json.loads(Path(spec_path).read_text())
+    if not guard_parent(spec):
+        return 1
     profile = Profile.model_validate(spec["profile"])
     point = Point.model_validate(spec["point"])
     run_dir = Path(spec["run_dir"])
+    timing = spec.get("mode") == "timing"
     t: dict[str, float] = {}
     meta = {"point_id": point.id, "status": "error", "point": point.model_dump(mode="json"),
-            "profile": profile.name, "started_at": started, "command": " ".join(sys.argv)}
+            "profile": profile.name, "started_at": started, "command": " ".join(sys.argv),
+            "sampling": fingerprint.sampling(profile, point),
+            "fingerprint": spec.get("fingerprint")}
     try:
         h0 = time.perf_counter()
         plist = prompts.load(prompt_file(profile), limit=profile.prompts.limit,
@@ -77,6 +147,9 @@ def main(spec_path: str) -> int:
         args, env = engine.engine_args(profile, point, target, draft, native)
         os.environ.update(env)  # the draft KV dtype variable is only known here
         meta.update(engine_args=args, env=env, vllm_version=vllm.__version__)
+        meta["aux_convention"] = convention.resolve(target, draft)  # fails before loading
+        if meta["aux_convention"]:
+            print(convention.log_line(meta["aux_convention"]), flush=True)
         e0 = time.perf_counter()
         with engine.open_llm(args) as llm:
             t["engine_init_s"] = time.perf_counter() - e0
@@ -97,12 +170,16 @@ def main(spec_path: str) -> int:
                              SamplingParams(**{**sp_args, "max_tokens": profile.warmup_tokens}),
                              use_tqdm=False)
                 t["warmup_s"] = time.perf_counter() - w0
+            if timing:
+                _, passed = timed_pass(llm, prompt_ids, sp, point.concurrency)
+                passed["round"] = spec["round"]
+                Path(spec["output"]).write_text(json.dumps(passed))
+                return 0
             h2 = time.perf_counter()
             before = metrics.from_snapshot(llm.get_metrics())
             t["harness_s"] += time.perf_counter() - h2
-            g0 = time.perf_counter()
-            traces = engine.generate_stepwise(llm, prompt_ids, sp, point.concurrency)
-            t["generate_s"] = time.perf_counter() - g0
+            traces, passed = timed_pass(llm, prompt_ids, sp, point.concurrency)
+            t["generate_s"] = passed["generate_s"]
             h3 = time.perf_counter()
             delta = metrics.from_snapshot(llm.get_metrics()) - before
             if point.logprobs:
@@ -128,13 +205,16 @@ def main(spec_path: str) -> int:
                 metrics.dropped_rounds(tr["step_tokens"], tr.get("finish_reason") is not None)
                 for tr in traces) if point.k else 0),
             n_requests=len(records), output_tokens=n_out,
-            throughput_tok_s=n_out / t["generate_s"], versions=engine.versions(),
+            throughput_tok_s=n_out / t["generate_s"], passes=[{**passed, "round": 1}],
+            versions=engine.versions(), host=socket.gethostname(),
         )
         t["harness_s"] += time.perf_counter() - h3
         meta.update(timings=t, finished_at=time.time(), wall_s=time.time() - started)
         write_point(run_dir, point.id, records, meta)
         return 0
     except Exception as e:  # recorded, the sweep goes on
+        if timing:
+            raise
         meta.update(error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc(),
                     timings=t, wall_s=time.time() - started)
         write_point(run_dir, point.id, None, meta)

@@ -127,6 +127,14 @@ job("rig-026", 1, 600, sweep("tiny-dsv4-rig", RIG), [RIG], vllm="0.26")
 job("dial-026", 1, 900, sweep("tiny-dsv4-h200", DIAL, "--only", "k0_*,k3_*dkv-auto*"), [DIAL],
     vllm="0.26", after=("rig-026",))
 job("dial-022", 1, 900, sweep("tiny-dsv4-h200", DIAL, "--only", "k0_*,k3_*dkv-auto*"), [DIAL])
+# issue 18: the same points through the Ray executor (a Ray instance on this node; Ray from
+# $SPECLAB_RAY_SITE, README "Ray on the device"), counters and tokens against dial-022's
+job("ray-dial", 1, 900, ["bash", "-c", "export PYTHONPATH=$PYTHONPATH:"
+                         "${SPECLAB_RAY_SITE:?no Ray layer} && " + " ".join(sweep(
+                             "tiny-dsv4-h200", f"{DIAL}-ray", "--only", "'k0_*,k3_*dkv-auto*'",
+                             "--executor", "ray")) +
+                         f" && {PY} {T}/compare_counters.py data/runs/{DIAL} data/runs/{DIAL}-ray"],
+    [f"{DIAL}-ray", DIAL], after=("dial-022",), exclusive=True)
 # stock 0.26 (overlay off) with a Llama draft next to DeepSeek-V4: expected to fail at engine
 # start ("Some layers are not assigned to any group.", overlay/README.md): recorded as data
 job("stock-error-026", 1, 300, sweep("tiny-dsv4-layer-rig", f"{RIG}-stock", "--override",
@@ -194,6 +202,28 @@ job("aux-check-rig-compiled", 1, 600, [*AUX, "--tag", "layer-rig-compiled", "--t
 for name in ("aux-check-tiny", "aux-check-rig"):  # the same on vLLM 0.26's native capture
     j = next(x for x in JOBS if x["name"] == name)
     job(f"{name}-026", 1, j["timeout"], j["cmd"], j["runs"], vllm="0.26")
+
+# The aux-layer convention as a grid dimension (speclab.convention): the rig's draft once per
+# convention in one run folder (two engines); notebook 02, rendered from the results
+# (`speclab run --notebooks 02_acceptance -p execute=false`), must name `output` the winner.
+CONV = f"h200-dsv4-convention-check-{STAMP}"
+job("convention-check", 1, 840, sweep("tiny-dsv4-convention-check", CONV), [CONV])
+job("convention-check-026", 1, 840, sweep("tiny-dsv4-convention-check", CONV), [CONV],
+    vllm="0.26")
+
+def _add_parity_jobs() -> None:
+    """The parity study's jobs (tools/gpu/parity_jobs.py, loaded by path: lab.py is also
+    imported as a file by the tests)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("parity_jobs",
+                                                  Path(__file__).with_name("parity_jobs.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    mod.add_jobs(job, sweep, STAMP, PY)
+
+
+_add_parity_jobs()
 
 
 def log(msg: str, fh=None) -> None:

@@ -14,7 +14,7 @@
 # tools/gpu/README.md.
 #
 # Usage: tools/gpu/pack.sh [--vllm 0.22.0] [--out DIR] [--arch 90] [--part-mib 42]
-#                          [--tree-only | --resplit]
+#                          [--tree-only | --resplit | --from-cache]
 #   --vllm X.Y.Z  the release: reads requirements-vllm0YY.txt (0.22.0, 0.26.0)
 #   --out DIR     where the parts go (default: <repo>/.stage/gpu for 0.22.0, whose
 #                 parts predate the option, <repo>/.stage/gpu0YY for the others)
@@ -23,6 +23,9 @@
 #   --tree-only   stop after laying out and pruning the tree (for check_bundle.py)
 #   --resplit     only cut the bundle already in --out into parts of --part-mib
 #                 (checks its sha256; no download, no compression; seconds)
+#   --from-cache  cut the newest layers of this release in the layer cache
+#                 (LAYER_CACHE, below) into parts: a machine that packed before
+#                 re-makes .stage without downloading or compressing (seconds)
 # Env: WORK (default /tmp/speclab_gpu_pack for 0.22.0, /tmp/speclab_gpu_pack0YY
 #      otherwise): wheel cache ($WORK/whl, reused) and the tree ($WORK/tree/site).
 #      VLLM_WHEEL_DIR (default /tmp/wheels/v22): a folder that may already hold the
@@ -39,6 +42,7 @@ ARCH=90
 PART_MIB=42
 TREE_ONLY=0
 RESPLIT=0
+FROM_CACHE=0
 while [ $# -gt 0 ]; do
   case $1 in
     --vllm) VLLM=$2; shift 2 ;;
@@ -47,6 +51,7 @@ while [ $# -gt 0 ]; do
     --part-mib) PART_MIB=$2; shift 2 ;;
     --tree-only) TREE_ONLY=1; shift ;;
     --resplit) RESPLIT=1; shift ;;
+    --from-cache) FROM_CACHE=1; shift ;;
     -h|--help) sed -n '2,33p' "$0"; exit 0 ;;
     *) echo "unknown option: $1" >&2; exit 2 ;;
   esac
@@ -133,6 +138,30 @@ if [ "$RESPLIT" = 1 ]; then
   rm -f "$TMP/bundle"
   grep -Ev '^(#|bundle_sha256 |bundle_bytes |nparts |part |part_mib |layer )' "$OUT/MANIFEST" > "$TMP/manifest.info"
   step "resplit: $n part(s) -> ${PART_MIB} MiB parts"
+  write_parts "$TMP"
+  exit 0
+fi
+
+if [ "$FROM_CACHE" = 1 ]; then
+  # The layers a full pack left in the cache (named NAME-<sha256 of the tar stream>),
+  # the newest of each; the manifest's wheel lines come from the requirements files.
+  LAYER_CACHE=${LAYER_CACHE:-${SPECLAB_CACHE:-$HOME/.cache/speclab}/gpu-layers}
+  TMP=$(mktemp -d)
+  trap 'rm -rf "$TMP"' EXIT
+  for name in shared "vllm$VLLM"; do
+    f=$(ls -t "$LAYER_CACHE/$name"-*.tar.xz 2>/dev/null | head -n 1)
+    [ -n "$f" ] || { echo "--from-cache: no $name layer in $LAYER_CACHE (run a full pack)" >&2; exit 2; }
+    xz -t "$f" || { echo "--from-cache: $f is damaged" >&2; exit 1; }
+    cp "$f" "$TMP/layer.$name.tar.xz"
+    echo "$name" >> "$TMP/layers"
+    step "layer $name: $f"
+  done
+  pins() { grep -Ev '^\s*(#|$)' "$1" | sed 's/\s*#.*//'; }
+  {
+    echo "arch sm_$ARCH"
+    echo "created $(date -u +%Y-%m-%dT%H:%M:%SZ) (from the layer cache)"
+    { pins "$SHARED_REQS"; pins "$REQS"; } | sed 's/^/wheel /'
+  } > "$TMP/manifest.info"
   write_parts "$TMP"
   exit 0
 fi

@@ -23,5 +23,5 @@ mkdir -p "$OUT"
 (export HOME=/tmp/home026 LAB_STATE=/tmp/speclab_lab026; mkdir -p "$HOME"
  sleep 15; lab 0.26 .stage/gpu026 "${J26:-}") > "$OUT/v026.log" 2>&1 &
 wait
-rm -f "$OUT"/v*/jit-cache.tar.gz
+rm -f "$OUT"/v*/jit-cache*
 for f in "$OUT"/v022.log "$OUT"/v026.log; do echo "=== $f"; grep -E "^\[|rc=|FAIL|Error" "$f" | tail -25; done

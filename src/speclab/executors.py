@@ -1,0 +1,66 @@
+"""Executors: where a sweep's points run. `local` runs them one after another in worker
+processes on this machine; `ray` (speclab.executor_ray) places them on a Ray cluster. Both run
+a point through `sweep.run_point`, and both yield each point's metadata once the driver has
+written its results to the run folder."""
+
+from __future__ import annotations
+
+import platform
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from speclab.profiles import Profile
+from speclab.progress import PREFIX, duration
+
+KINDS = ("local", "ray")
+
+
+def execute(profile: Profile, run_dir: Path, points: list, log: Callable | None = print
+            ) -> Iterator[dict]:
+    """Run `points` with the profile's executor; yield each point's metadata as it finishes,
+    with one progress line per point (node, duration, ETA) on `log` (None: quiet)."""
+    if profile.executor == "ray":
+        from speclab import executor_ray
+
+        finished = executor_ray.run(profile, Path(run_dir), points, log=log)
+    else:
+        finished = local(profile, Path(run_dir), points)
+    progress = Progress(profile.name, len(points))
+    for meta in finished:
+        if log:
+            log(progress.line(meta))
+        yield meta
+
+
+def local(profile: Profile, run_dir: Path, points: list) -> Iterator[dict]:
+    from speclab import sweep
+
+    for point in points:
+        yield sweep.run_point(profile, point, run_dir)
+
+
+class Progress:
+    """One line per finished point (`[speclab] sweep NAME: 2/9 <id> ok on <node> in 12 s;
+    ETA 1 min 10 s`): count, status, node, duration and the ETA of the rest (wall time so far
+    per finished point, so points run side by side count as such). `speclab run` forwards
+    these lines from the notebooks to the terminal (`progress.LineForwarder`)."""
+
+    def __init__(self, name: str, total: int):
+        self.name, self.total, self.done, self.t0 = name, total, 0, time.time()
+
+    def line(self, meta: dict) -> str:
+        self.done += 1
+        left = self.total - self.done
+        eta = (time.time() - self.t0) / self.done * left
+        ex = meta.get("executor", {})  # absent: run here by the local executor
+        parts = [f"{PREFIX} sweep {self.name}: {self.done}/{self.total} {meta['point_id']} "
+                 f"{meta['status']}",
+                 f"on {ex.get('node', platform.node())}"]
+        if meta.get("wall_s") is not None:
+            parts.append(f"in {duration(meta['wall_s'])}")
+        if meta.get("side_by_side"):
+            parts.append(f"beside {', '.join(meta['side_by_side'])}")
+        if ex.get("retries"):
+            parts.append(f"after {len(ex['retries'])} node failure(s)")
+        return " ".join(parts) + (f"; ETA {duration(eta)}" if left else "; sweep done")

@@ -1,0 +1,48 @@
+"""Where the lab's inputs and outputs live, in a checkout and in an installed package.
+
+Inputs (profiles/, notebooks/, data/prompts, data/corpus) come from the checkout when the
+package runs from one (`pip install -e .`, PYTHONPATH=src), else from the copies the wheel
+ships under `speclab/_data/`. Outputs go under `output_root()`: $SPECLAB_OUT, else the
+checkout, else the current working directory (never into site-packages):
+`<root>/data/runs/<run-id>/` and `<root>/figures/<run-id>/`."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+_SRC_ROOT = Path(__file__).resolve().parents[2]
+CHECKOUT: Path | None = _SRC_ROOT if (
+    (_SRC_ROOT / "pyproject.toml").exists() and (_SRC_ROOT / "notebooks").is_dir()) else None
+PACKAGE_DATA = Path(__file__).resolve().parent / "_data"
+# profiles/, notebooks/ and data/{prompts,corpus} of this installation
+RESOURCES: Path = CHECKOUT or PACKAGE_DATA
+
+
+def output_root() -> Path:
+    """$SPECLAB_OUT, else the checkout, else the working directory."""
+    env = os.environ.get("SPECLAB_OUT")
+    return Path(env).expanduser().resolve() if env else (CHECKOUT or Path.cwd())
+
+
+def run_folders(run_id: str, runs_root: Path | None = None, figures_root: Path | None = None
+                ) -> tuple[Path, Path]:
+    """(<root>/data/runs/<run_id>, <root>/figures/<run_id>), or under the given roots."""
+    root = output_root()
+    return ((Path(runs_root) if runs_root else root / "data" / "runs") / run_id,
+            (Path(figures_root) if figures_root else root / "figures") / run_id)
+
+
+def notebook_folders(profile: str, run_dir: str | None, figures_dir: str | None
+                     ) -> tuple[Path, Path]:
+    """A notebook's run and figure folders: the given ones, else the profile's own (named
+    after the profile), so a plain `papermill ... -p profile X` never writes into another
+    profile's run."""
+    if run_dir is None or figures_dir is None:
+        from speclab import profiles
+
+        d_run, d_fig = run_folders(Path(run_dir).name if run_dir is not None
+                                   else profiles.load(profile).name)
+        run_dir = run_dir if run_dir is not None else d_run
+        figures_dir = figures_dir if figures_dir is not None else d_fig
+    return Path(run_dir).resolve(), Path(figures_dir).resolve()

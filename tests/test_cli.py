@@ -1,0 +1,50 @@
+"""`speclab run`/`sweep` options: papermill-style parameters, one spelling across commands."""
+
+import pytest
+
+from speclab import cli
+
+
+def parse(*argv):
+    a = cli.build_parser().parse_args(["run", *argv])
+    return cli._params(a.param, a.param_file), a
+
+
+def test_run_takes_papermill_style_parameters(tmp_path):
+    f = tmp_path / "params.yaml"
+    f.write_text("mode: server\nconcurrency: [1, 4, 16]\nnear_tie: 0.1\n")
+    params, a = parse("-f", str(f), "-p", "concurrency", "[1, 4]", "-p", "execute", "False",
+                      "-p", "plain_runs", '["other"]', "-p", "arms", "None", "--profile", "x")
+    assert params == {"mode": "server", "concurrency": [1, 4], "near_tie": 0.1,
+                      "execute": False, "plain_runs": ["other"], "arms": None}
+    assert a.profile == "x"
+
+
+def test_key_equals_value_reads_the_same():
+    assert parse("-p", "execute=false", "-p", "overrides={max_tokens: 8}")[0] == {
+        "execute": False, "overrides": {"max_tokens": 8}}
+
+
+def test_bad_parameters_are_clear_errors(tmp_path):
+    with pytest.raises(ValueError, match="-p expects KEY VALUE"):
+        parse("-p", "execute")
+    f = tmp_path / "p.yaml"
+    f.write_text("- a list\n")
+    with pytest.raises(ValueError, match="expected a mapping"):
+        parse("-f", str(f))
+    with pytest.raises(ValueError, match="--override expects a mapping"):
+        cli._override("[1, 2]")
+
+
+def test_run_and_sweep_share_their_options():
+    for cmd in ("run", "sweep"):
+        a = cli.build_parser().parse_args([cmd, "--profile", "p", "--run-id", "r", "--out", "o",
+                                           "--override", "{max_tokens: 8}"])
+        assert (a.profile, a.run_id, a.out, cli._override(a.override)) == (
+            "p", "r", "o", {"max_tokens": 8})
+
+
+def test_unknown_profile_lists_the_shipped_ones(capsys):
+    assert cli.main(["profile", "check", "no-such-profile"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown profile 'no-such-profile'; available: " in err and "tiny-cpu" in err

@@ -1,0 +1,223 @@
+"""Pre-registered classification, noise arm, rescoring, injected defects and detection power,
+on constructed sequences (no engine)."""
+
+import math
+
+import pandas as pd
+import pytest
+import torch
+
+from speclab import defects, multipass, parity
+from speclab.fixtures import neartie
+from speclab.profiles import Profile
+from speclab.sweep import Point
+
+
+def _rec(point, pid, ids, margin=None, runner_up=None, k=0):
+    return {"point_id": point, "prompt_id": pid, "category": "c", "output_token_ids": ids, "k": k,
+            "margin": margin or [1.0] * len(ids), "runner_up": runner_up or [-1] * len(ids),
+            "logprob_pass_divergence": None}
+
+
+def _profile(**parity_block):
+    return Profile(name="t", backend="cpu", target="/x", draft="/d", prompts={"file": "p.jsonl"},
+                   grid={"num_speculative_tokens": [0, 3]},
+                   parity={"arms": ["noise", "spec"], "k_values": [3], **parity_block})
+
+
+def _run(arms, recs):
+    ids = {p.id for a in arms for p in (a.ref, a.cand)}
+    return pd.DataFrame({"point_id": sorted(ids), "status": "ok"})
+
+
+def _noise_and_control(floor_margin, defect_margin):
+    """A noise arm whose passes diverge once at `floor_margin`, and one verify-bias control
+    whose output diverges from plain where the reference's margin is `defect_margin`."""
+    prof = _profile(controls=[{"kind": "verify-bias", "sizes": [0.1], "seeds": [0]}])
+    arms = parity.plan(prof, ["noise"], k_values=[3], spec_k=3)
+    noise = [a for a in arms if a.role == "noise"]
+    ctrl = next(a for a in arms if a.role == "control")
+    plain_pts = {p.id: p for a in noise for p in (a.ref, a.cand)}
+    recs = []
+    for pid in plain_pts:
+        flip = pid == noise[0].cand.id  # one pass takes the runner-up at position 2
+        recs.append(_rec(pid, "a", [1, 2, 9 if flip else 3, 4], margin=[1, 1, floor_margin, 1]))
+    recs.append(_rec(ctrl.cand.id, "a", [1, 7, 5, 5], k=3))
+    recs = pd.DataFrame(recs)
+    ref = recs[recs.point_id == ctrl.ref.id].index[0]
+    recs.at[ref, "margin"] = [1, defect_margin, floor_margin, 1]
+    return prof, arms, recs
+
+
+@pytest.mark.parametrize("defect_margin, kind", [(0.07, "substantive"), (0.055, "within-noise"),
+                                                 (0.03, "near-tie")])
+def test_a_defect_just_above_the_measured_noise_floor_is_flagged(defect_margin, kind):
+    prof, arms, recs = _noise_and_control(0.06, defect_margin)
+    a = parity.analyze(arms, recs, _run(arms, recs), parity.settings(prof))
+    assert a.floor["floor"] == pytest.approx(0.06) and a.floor["flips"] >= 1
+    ctrl = a.summary[a.summary.role == "control"].iloc[0]
+    assert a.cmp[a.cmp.arm == ctrl.arm].kind.iloc[0] == kind
+    assert bool(ctrl.flagged_parity) == (kind == "substantive")
+    # the noise arm itself is never flagged by its own floor
+    assert not a.summary[a.summary.role == "noise"].flagged_parity.any()
+
+
+def test_a_fixed_floor_is_a_named_reanalysis_beside_the_preregistered_one():
+    prof, arms, recs = _noise_and_control(0.06, 0.07)
+    pts = _run(arms, recs)
+    first = parity.analyze(arms, recs, pts, parity.settings(prof))
+    other = parity.analyze(arms, recs, pts, parity.settings(prof, "floor-0.1", noise_floor=0.1))
+    assert first.settings.name == "pre-registered" and other.settings.name == "floor-0.1"
+    assert other.floor["floor"] == 0.1 and other.floor["measured_max_flip"] == pytest.approx(0.06)
+    assert first.summary.flagged_parity.sum() == 1 and other.summary.flagged_parity.sum() == 0
+    assert "max-flip" in first.settings.describe() and "0.1 nats (fixed)" in \
+        other.settings.describe()
+
+
+def test_noise_floor_uncertainty_counts_flips_and_pairs():
+    cmp = pd.DataFrame({"exact": [True, False, False, True], "margin": [math.nan, 0.02, 0.04,
+                                                                        math.nan]})
+    f = parity.floor_from(cmp, pd.DataFrame({"margin": [0.01]}), parity.Settings())
+    assert (f["floor"], f["flips"], f["prompt_pairs"], f["diverged_pairs"]) == (0.04, 3, 4, 2)
+    assert f["exceed_prob"] == pytest.approx(1 / 4)
+    assert f["flip_rate_lo"] < 0.5 < f["flip_rate_hi"]
+    none = parity.floor_from(cmp.iloc[:1], pd.DataFrame({"margin": []}), parity.Settings())
+    assert none["floor"] == 0.0 and none["exceed_prob"] == 1.0
+
+
+def test_unscored_divergences_are_rescored_from_the_plain_engine():
+    ref = pd.DataFrame([{**_rec("ref", "a", [1, 2, 3, 4], margin=[1, 1, 1, 1]),
+                         "logprob_pass_divergence": 0}])
+    cand = pd.DataFrame([_rec("cand", "a", [1, 2, 8, 4], k=3)])
+    cmp = parity.compare(ref, cand, near_tie=0.05)
+    assert cmp.kind.iloc[0] == "unscored"
+    todo = parity.rescore_requests(cmp)
+    assert todo.to_dict("records") == [{"prompt_id": "a", "position": 2, "prefix": [1, 2]}]
+    rescored = pd.DataFrame([{"prompt_id": "a", "position": 2,
+                              "prefix_sha": multipass.prefix_sha([1, 2]), "margin": 0.5,
+                              "top1": 3, "runner_up": 8}])
+    row = parity.compare(ref, cand, near_tie=0.05, rescored=rescored).iloc[0]
+    assert (row.kind, row.margin, row.margin_source, row.took_runner_up) == \
+        ("substantive", 0.5, "rescored", True)
+    other = rescored.assign(prefix_sha=multipass.prefix_sha([1, 9]))
+    assert parity.compare(ref, cand, rescored=other).kind.iloc[0] == "unscored"
+
+
+def test_power_and_resolution_from_flagged_runs():
+    rows = []
+    for size, flags in ((0.02, [0, 0, 0]), (0.1, [1, 0, 1]), (0.2, [1, 1, 1]), (0.5, [1, 1, 1])):
+        for seed, f in enumerate(flags):
+            rows.append({"arm": f"v{size}{seed}", "role": "control", "status": "ok",
+                         "defect": "verify-bias", "size": size, "seed": seed, "n": 4, "exact": 4 - f,
+                         "substantive": f, "flagged_parity": bool(f), "flagged_acceptance": True,
+                         "flagged": True, "margins": [0.3] if f else [],
+                         "defect_rows_hit": 10, "defect_argmax_changed": 2})
+    rows.append({"arm": "aux", "role": "control", "status": "ok", "defect": "aux-layers",
+                 "size": math.nan, "n": 4, "exact": 4, "substantive": 0, "flagged_parity": False,
+                 "flagged_acceptance": True, "flagged": True, "margins": []})
+    pw = parity.power(pd.DataFrame(rows))
+    v = pw[pw.defect == "verify-bias"].set_index("size")
+    assert v.loc[0.1, ["runs", "flagged_parity", "diverged", "positions_hit"]].tolist() == \
+        [3, 2, 2, 30]
+    assert parity.resolution(pw, 1.0) == {"aux-layers": None, "verify-bias": 0.2}
+    assert parity.resolution(pw, 2 / 3)["verify-bias"] == 0.1
+    assert parity.resolution(pw, 1.0, "flagged_acceptance") == {"aux-layers": "detected",
+                                                                "verify-bias": 0.02}
+    lines = parity.power_findings(pw, {"flagged_parity": parity.resolution(pw, 1.0)},
+                                  parity.Settings())
+    assert any("verify-bias: 0.2 nats" in x and "aux-layers: not detected" in x for x in lines)
+
+
+def test_plan_has_noise_pairs_and_control_groups():
+    prof = _profile(controls=[{"kind": "accept-bias", "sizes": [0.05, 0.1], "seeds": [0, 1]},
+                              {"kind": "aux-layers", "aux_ids": [2, 3, 4]}])
+    arms = parity.plan(prof, ["noise", "spec"], k_values=[3], spec_k=3)
+    noise = [a for a in arms if a.role == "noise"]
+    assert len(noise) == 6 and {a.question for a in noise} == {
+        "plain vs plain, separate engines", "plain vs plain, one engine"}
+    sep = {p.id for p in parity.points_of(noise)}
+    assert len(sep) == 3 and all(multipass.GROUP_ENV not in p.env for p in parity.points_of(noise))
+    groups = {g.name: g for g in parity.groups_of(arms)}
+    assert set(groups) == {"noise", "accept-bias-k3", "aux-layers-2-3-4-k3"}
+    assert len(groups["noise"].passes) == 3 and groups["noise"].engine_point == Point(k=0)
+    acc = groups["accept-bias-k3"]
+    assert len(acc.passes) == 4 and acc.engine_point.env == {} and acc.engine_point.k == 3
+    assert {defects.from_env(p.env).size for p in acc.passes} == {0.05, 0.1}
+    aux = groups["aux-layers-2-3-4-k3"].engine_point
+    assert defects.from_env(aux.env).aux_ids == [2, 3, 4]  # installed before the model loads
+
+
+def test_verify_bias_flips_exactly_the_chosen_positions_with_margin_below_its_size():
+    torch.manual_seed(0)
+    n = 4000
+    logits = torch.randn(n, 50)
+    top2 = logits.topk(2, dim=-1)
+    margin = top2.values[:, 0] - top2.values[:, 1]
+    d = defects.Defect(kind="verify-bias", size=0.1, share=0.25, seed=3)
+    hit_mask = defects.chosen(top2.indices[:, 0], top2.indices[:, 1], 3, 0.25)
+    assert 0.2 < hit_mask.double().mean() < 0.3  # the known share
+    biased = logits.clone()
+    hit, flips = defects.bias_logits(biased, torch.zeros(n, dtype=torch.long), d)
+    changed = biased.argmax(-1) != top2.indices[:, 0]
+    assert hit == int(hit_mask.sum()) and flips == int(changed.sum())
+    assert torch.equal(changed, hit_mask & (margin < 0.1))
+    # same positions every time: the choice is a function of the token ids and the seed
+    again = logits.clone()
+    assert defects.bias_logits(again, torch.zeros(n, dtype=torch.long), d) == (hit, flips)
+
+
+def test_accept_bias_only_helps_a_draft_token_within_its_size():
+    logits = torch.tensor([[2.0, 1.95, 0.0], [2.0, 1.0, 0.0], [2.0, 1.95, 0.0]])
+    draft = torch.tensor([1, 1, 0])
+    d = defects.Defect(kind="accept-bias", size=0.1, share=1.0)
+    hit, flips = defects.bias_logits(logits, draft, d)
+    assert (hit, flips) == (2, 1)  # row 2's draft token already is the argmax: untouched
+    assert logits.argmax(-1).tolist() == [1, 0, 0]
+
+
+def test_defects_round_trip_through_the_point_environment():
+    d = defects.Defect(kind="verify-bias", size=0.2, share=0.5, seed=1)
+    assert defects.from_env(d.env()) == d and defects.from_env({}) is None
+    with pytest.raises(ValueError):
+        defects.from_env({defects.ENV: '{"kind": "nope"}'})
+    with pytest.raises(ValueError, match="aux_ids"):
+        _profile(controls=[{"kind": "aux-layers"}])
+
+
+def test_neartie_scale_must_be_exact_and_margin_stats():
+    with pytest.raises(ValueError, match="power of 2"):
+        neartie.build_neartie_llama("/nowhere", "/nowhere", seed=0, head_scale=0.1)
+    s = neartie.margin_stats([0.0, 0.01, 0.05, 0.2, math.inf])
+    assert s["n"] == 4 and s["share_le_0.05"] == 0.75
+
+
+def test_other_views_read_the_floor_notebook_03_recorded(tmp_path):
+    import nbformat
+
+    from speclab import report
+
+    assert parity.recorded_analysis(tmp_path) == {}
+    nb = nbformat.v4.new_notebook()
+    cell = nbformat.v4.new_code_cell("record(...)")
+    cell.outputs = [nbformat.v4.new_output("display_data", data={
+        report.MIME: {"near_tie": 0.05, "noise": {"floor": 0.07}, "self_flips": []}})]
+    nb.cells.append(cell)
+    (tmp_path / "notebooks").mkdir()
+    nbformat.write(nb, str(tmp_path / "notebooks" / "03_parity.ipynb"))
+    assert parity.recorded_analysis(tmp_path) == {"near_tie": 0.05, "noise_floor": 0.07}
+    cell.outputs[0]["data"][report.MIME] = {"near_tie": 0.05, "self_flips": [{"margin": 0.02}]}
+    nbformat.write(nb, str(tmp_path / "notebooks" / "03_parity.ipynb"))
+    assert parity.recorded_analysis(tmp_path)["noise_floor"] == 0.02  # runs before the noise arm
+
+
+def test_detection_power_figure_draws_each_defect():
+    from speclab import plots
+
+    pw = pd.DataFrame({"defect": ["verify-bias"] * 2 + ["aux-layers"], "size": [0.05, 0.1, None],
+                       "runs": [3, 3, 1], "flagged_parity": [0, 3, 0],
+                       "flagged_acceptance": [3, 3, 0]})
+    fig = plots.detection_power(pw, 0.05, 0.0)
+    ax = fig.axes[0]
+    assert len(ax.lines) == 3 and list(ax.lines[0].get_ydata()) == [0.0, 1.0]
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["0.05", "0.1"]
+    assert plots.detection_power(pw[pw.defect == "aux-layers"], 0.05, 0.0) is None

@@ -1,0 +1,42 @@
+"""Progress lines: one per finished point with status, duration and ETA; forwarded from a
+notebook's stdout to the terminal, tagged with the notebook."""
+
+import io
+
+from speclab import progress
+
+
+def test_forwarder_passes_only_complete_progress_lines():
+    out = io.StringIO()
+    fwd = progress.LineForwarder("01_sweep", out)
+    fwd.write("a table row\n[speclab] sweep x: 1/2 k0 ")
+    assert out.getvalue() == ""
+    fwd.write("ok in 3 s\nnoise\r[speclab] last\n")
+    assert out.getvalue() == ("[speclab] [01_sweep] sweep x: 1/2 k0 ok in 3 s\n"
+                              "[speclab] [01_sweep] last\n")
+
+
+def test_durations_read_naturally():
+    assert [progress.duration(s) for s in (4.4, 65, 3720)] == ["4 s", "1 min 05 s", "1 h 02 min"]
+
+
+def test_sweep_prints_a_line_per_point(tmp_path, monkeypatch, capsys):
+    from speclab import fingerprint, profiles, sweep
+
+    prof = profiles.load("tiny-cpu", {"grid": {"num_speculative_tokens": [0, 1, 2]},
+                                      "timed_passes": 1})
+    points = sweep.expand(prof)
+    done = {"point_id": points[0].id, "status": "ok",  # finished by an earlier run
+            "fingerprint": fingerprint.of_point(prof, points[0])}
+    sweep.write_point(tmp_path, points[0].id, None, done)
+    monkeypatch.setattr(sweep, "prepare_models", lambda *a: None)
+    monkeypatch.setattr(sweep, "run_point", lambda prof, p, run_dir: {
+        "point_id": p.id, "status": "ok" if p.k == 1 else "error", "error": "boom", "wall_s": 65})
+    sweep.run(prof, tmp_path, points)
+    lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("[speclab] sweep")]
+    assert lines[0] == "[speclab] sweep tiny-cpu: 1 of 3 points measured earlier with these " \
+                       "settings, kept"
+    assert lines[1].startswith(f"[speclab] sweep tiny-cpu: 1/2 {points[1].id} ok on ")
+    assert " in 1 min 05 s; ETA " in lines[1]
+    assert lines[2].startswith(f"[speclab] sweep tiny-cpu: 2/2 {points[2].id} error on ")
+    assert lines[2].endswith("; sweep done") and len(lines) == 3

@@ -1,0 +1,205 @@
+"""The Ray executor on a real local Ray cluster (this machine: a head and worker-node processes,
+with GPUs declared on these GPU-less nodes standing in for real ones): tiny-cpu points through
+`speclab sweep --executor ray` give the local executor's counters and tokens exactly, run
+side by side with their own CUDA_VISIBLE_DEVICES, survive an interrupted driver and a node
+that dies mid-sweep (retry recorded); the cluster leaves no process behind."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from speclab import executor_ray, profiles, sweep
+from speclab.sweep import Point
+
+OVER = {"prompts": {"limit": 4}, "max_tokens": 16, "grid": {"num_speculative_tokens": [0, 2]},
+        "ray": {"resource": "GPU"}}
+RAY = str(Path(sys.executable).parent / "ray")
+
+
+# --------------------------------------------------------------------- no cluster needed
+def test_placement_and_side_by_side():
+    prof = profiles.load("tiny-cpu", {"exclusive_node": True, "ray": {"resource": "GPU"}})
+    p = Point(k=0)
+    assert executor_ray.bundles(prof, p, 8, exclusive=False) == [{"GPU": 1.0}]
+    assert executor_ray.bundles(prof, p, 8, exclusive=True) == [{"GPU": 1.0}, {"GPU": 7.0}]
+    assert executor_ray.task_options(prof, p) == {"num_cpus": 0, "max_retries": 0,
+                                                  "num_gpus": 1}
+    cpu = profiles.load("tiny-cpu")
+    assert executor_ray.bundles(cpu, p, 2, exclusive=False) == [{"CPU": 1.0}]
+    spans = {"a": ("n1", 0, 10), "b": ("n1", 5, None), "c": ("n2", 0, 10), "d": ("n1", 10, 12)}
+    assert executor_ray.side_by_side(spans, "a", 10) == ["b"]
+    assert executor_ray.side_by_side(spans, "d", 12) == ["b"]
+
+
+def test_failed_point_keeps_its_error(tmp_path):
+    """What a node sends back for a failed point lands in the run folder, error and log
+    included, with the node's scratch paths turned into the run folder's."""
+    p = Point(k=0)
+    scratch = "/tmp/speclab-point-x/run"
+    meta = {"point_id": p.id, "status": "error", "point": p.model_dump(mode="json"),
+            "error": "worker exited with 1", "root_cause": "ValueError: boom",
+            "command": f"python -m speclab.worker {scratch}/logs/{p.id}.spec.json"}
+    out = {"meta": meta, "scratch": scratch, "node_id": "n1",
+           "files": {f"logs/{p.id}.log": b"ValueError: boom\n",
+                     f"logs/{p.id}.spec.json": json.dumps({"run_dir": scratch}).encode(),
+                     f"points/{p.id}.json": json.dumps(meta).encode()}}
+    got = executor_ray._store(tmp_path, p, out, {"kind": "ray", "node": "n1"}, [])
+    on_disk = sweep.read_meta(tmp_path, p.id)
+    assert on_disk == got and on_disk["root_cause"] == "ValueError: boom"
+    assert on_disk["command"].endswith(f"{tmp_path}/logs/{p.id}.spec.json")
+    assert (tmp_path / "logs" / f"{p.id}.log").read_bytes() == b"ValueError: boom\n"
+    assert json.loads((tmp_path / "logs" / f"{p.id}.spec.json").read_text())["run_dir"] == \
+        str(tmp_path)
+    assert not (tmp_path / "points" / f"{p.id}.parquet").exists()
+
+
+# --------------------------------------------------------------------- a real cluster
+class LocalCluster:
+    """A head and worker-node processes on this machine (ray.cluster_utils, as Ray's own
+    multi-node tests use); a node is killed by the pids of its processes."""
+
+    def __init__(self):
+        from ray.cluster_utils import Cluster
+
+        self.temp = tempfile.mkdtemp(prefix="rt", dir="/tmp")  # socket paths must be short
+        self.cluster = Cluster(initialize_head=True, connect=False, head_node_args={
+            "num_cpus": 1, "num_gpus": 0, "include_dashboard": False, "temp_dir": self.temp})
+        self.address = self.cluster.address
+        self.seen: set[int] = set()  # every pid of the cluster ever seen
+        self.tree(self.cluster.head_node)
+
+    def start(self, gpus: int):
+        node = self.cluster.add_node(num_cpus=1, num_gpus=gpus)
+        self.tree(node)
+        return node
+
+    def tree(self, node) -> list[psutil.Process]:
+        procs = []
+        for infos in node.all_processes.values():
+            for info in infos:
+                try:
+                    p = psutil.Process(info.process.pid)
+                    procs += [p, *p.children(recursive=True)]
+                except psutil.NoSuchProcess:
+                    pass
+        self.seen |= {p.pid for p in procs}
+        return procs
+
+    def workers(self, node) -> list[psutil.Process]:
+        out = []
+        for p in self.tree(node):
+            try:
+                if "speclab.worker" in " ".join(p.cmdline()):
+                    out.append(p)
+            except psutil.NoSuchProcess:
+                pass
+        return out
+
+    def kill(self, node) -> None:
+        """The node dies: every process of it at once (its points' workers included)."""
+        for p in self.tree(node):
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        self.cluster.remove_node(node, allow_graceful=False)
+
+    def stop(self) -> None:
+        for node in [*self.cluster.worker_nodes, self.cluster.head_node]:
+            self.tree(node)
+        self.cluster.shutdown()
+
+    def left(self) -> list[int]:
+        alive = []
+        for pid in self.seen:
+            try:
+                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                    alive.append(pid)
+            except psutil.NoSuchProcess:
+                pass
+        return alive
+
+
+def _wait(cond, timeout: float, what: str, proc: subprocess.Popen | None = None):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if (v := cond()):
+            return v
+        assert proc is None or proc.poll() is None, f"driver exited ({proc.returncode}) " + what
+        time.sleep(0.5)
+    raise AssertionError(f"timed out: {what}")
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(1500)
+def test_ray_sweep_on_a_local_cluster(tmp_path, fixture_cache, monkeypatch):
+    # the cluster's processes start with this environment (speclab importable on its nodes)
+    monkeypatch.setenv("SPECLAB_CACHE", str(fixture_cache.parent))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [
+        str(Path(sweep.__file__).parents[1]), os.environ.get("PYTHONPATH")])))
+    env = dict(os.environ)
+    prof = profiles.load("tiny-cpu", OVER)
+    ids = [p.id for p in sweep.expand(prof)]
+    local_dir, ray_dir = tmp_path / "local", tmp_path / "ray"
+    sweep.run(prof, local_dir, progress=False)
+
+    cluster = LocalCluster()
+    try:
+        node2 = cluster.start(gpus=2)
+        cmd = [sys.executable, "-m", "speclab", "sweep", "--profile", "tiny-cpu", "--run-id",
+               str(ray_dir), "--override", json.dumps(OVER), "--executor", "ray",
+               "--ray-address", cluster.address]
+
+        # an interrupted driver: its workers stop, nothing half-written, the rerun resumes
+        driver = subprocess.Popen(cmd, env=env, start_new_session=True)
+        _wait(lambda: len(cluster.workers(node2)) == 2, 300, "two points side by side", driver)
+        driver.send_signal(signal.SIGTERM)
+        driver.wait(timeout=120)
+        _wait(lambda: not cluster.workers(node2), 60, "workers stopped with the driver")
+        assert not list((ray_dir / "points").glob("*.json"))
+
+        log = tmp_path / "driver.log"
+        with open(log, "w") as f:
+            driver = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT,
+                                      start_new_session=True)
+            _wait(lambda: len(cluster.workers(node2)) == 2, 300, "points placed again", driver)
+            cluster.kill(node2)  # the node dies mid-sweep; a new one joins
+            cluster.start(gpus=2)
+            assert driver.wait(timeout=900) == 0, log.read_text()[-3000:]
+        out = log.read_text()
+        assert sum(line.startswith("[") and " ok on " in line and " in " in line
+                   for line in out.splitlines()) == 2, out
+        assert "ETA" in out and "sweep done" in out
+
+        metas = {i: sweep.read_meta(ray_dir, i) for i in ids}
+        for i, m in metas.items():
+            ex = m["executor"]
+            assert m["status"] == "ok" and ex["kind"] == "ray" and ex["attempts"] == 2, m
+            assert ex["retries"][0]["node_id"] != ex["node_id"]  # rerun elsewhere
+            assert m["side_by_side"] == [j for j in ids if j != i]
+        assert {m["executor"]["cuda_visible_devices"] for m in metas.values()} == {"0", "1"}
+
+        # exactly the local executor's counters and tokens
+        _, lrec = sweep.load_results(local_dir)
+        _, rrec = sweep.load_results(ray_dir)
+        for i in ids:
+            assert metas[i]["counters"] == sweep.read_meta(local_dir, i)["counters"], i
+            a = lrec[lrec.point_id == i].set_index("prompt_id").output_token_ids
+            b = rrec[rrec.point_id == i].set_index("prompt_id").output_token_ids
+            assert {k: list(v) for k, v in a.items()} == {k: list(v) for k, v in b.items()}
+
+        # finished: a rerun resumes with nothing to do
+        before = {p: p.stat().st_mtime_ns for p in (ray_dir / "points").iterdir()}
+        assert subprocess.run(cmd, env=env, timeout=300, check=False).returncode == 0
+        assert {p: p.stat().st_mtime_ns for p in (ray_dir / "points").iterdir()} == before
+    finally:
+        cluster.stop()
+    assert not cluster.left(), f"left behind: {cluster.left()}"

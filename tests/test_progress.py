@@ -21,14 +21,16 @@ def test_durations_read_naturally():
 
 
 def test_sweep_prints_a_line_per_point(tmp_path, monkeypatch, capsys):
+    import pandas as pd
+
     from speclab import fingerprint, profiles, sweep
 
     prof = profiles.load("tiny-cpu", {"grid": {"num_speculative_tokens": [0, 1, 2]},
                                       "timed_passes": 1})
     points = sweep.expand(prof)
-    done = {"point_id": points[0].id, "status": "ok",  # finished by an earlier run
+    done = {"point_id": points[0].id, "status": "ok", "n_requests": 1,  # an earlier run's
             "fingerprint": fingerprint.of_point(prof, points[0])}
-    sweep.write_point(tmp_path, points[0].id, None, done)
+    sweep.write_point(tmp_path, points[0].id, pd.DataFrame({"request": [0]}), done)
     monkeypatch.setattr(sweep, "prepare_models", lambda *a: None)
     monkeypatch.setattr(sweep, "run_point", lambda prof, p, run_dir: {
         "point_id": p.id, "status": "ok" if p.k == 1 else "error", "error": "boom", "wall_s": 65})

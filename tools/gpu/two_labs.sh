@@ -4,7 +4,11 @@
 # two never share a JIT-cache or fixture-cache directory), each with --slots jobs at once.
 # Both bundles must be extracted already (tools/gpu/unpack.sh) or complete in the stash.
 #
-#   J22=job,job J26=job,job bash tools/gpu/two_labs.sh OUT DEADLINE [SLOTS]
+#   J22=job,job J26=job,job [KV_GIB=4] bash tools/gpu/two_labs.sh OUT DEADLINE [SLOTS]
+#
+# Every job shares the GPU, so each engine gets a fixed KV cache of KV_GIB (lab.py --kv-gib):
+# vLLM then skips its memory profiling, which the other lab's allocations would upset. The
+# dial fixtures at max_model_len 4096 with a draft need more than the default 4 (6.73 GiB).
 #
 # Writes OUT/v022/ and OUT/v026/ (lab.py's results.tar.gz, summary.json, driver.log) and
 # OUT/v022.log, OUT/v026.log. JIT-cache tarballs are dropped (the call returns at most 8 files).
@@ -16,7 +20,7 @@ lab() {  # lab REL STAGE JOBS
   [ -n "$jobs" ] || return 0
   eval "$(bash tools/gpu/unpack.sh "$stage")" || return 9
   python3 tools/gpu/lab.py --vllm "$rel" --out "$OUT/v${rel/./}" --deadline "$DEADLINE" \
-    --slots "$SLOTS" --warm-first --only "$jobs"
+    --slots "$SLOTS" --kv-gib "${KV_GIB:-4}" --warm-first --only "$jobs"
 }
 mkdir -p "$OUT"
 (lab 0.22 .stage/gpu "${J22:-}") > "$OUT/v022.log" 2>&1 &

@@ -129,7 +129,8 @@ if [ "$RESPLIT" = 1 ]; then
   if grep -q '^layer ' "$OUT/MANIFEST"; then
     off=0
     while read -r _ name _ bytes _; do
-      tail -c +$((off + 1)) "$TMP/bundle" | head -c "$bytes" > "$TMP/layer.$name.tar.xz"
+      dd if="$TMP/bundle" of="$TMP/layer.$name.tar.xz" bs=1M iflag=skip_bytes,count_bytes \
+         skip="$off" count="$bytes" status=none  # (tail | head dies of SIGPIPE under pipefail)
       echo "$name" >> "$TMP/layers"
       off=$((off + bytes))
     done < <(grep '^layer ' "$OUT/MANIFEST")

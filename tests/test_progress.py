@@ -42,3 +42,22 @@ def test_sweep_prints_a_line_per_point(tmp_path, monkeypatch, capsys):
     assert " in 1 min 05 s; ETA " in lines[1]
     assert lines[2].startswith(f"[speclab] sweep tiny-cpu: 2/2 {points[2].id} error on ")
     assert lines[2].endswith("; sweep done") and len(lines) == 3
+
+
+def test_timing_rounds_announce_themselves(tmp_path, monkeypatch, capsys):
+    from speclab import profiles, sweep
+
+    prof = profiles.load("tiny-cpu", {"grid": {"num_speculative_tokens": [0, 1]},
+                                      "timed_passes": 3})
+    monkeypatch.setattr(sweep, "prepare_models", lambda *a: None)
+    monkeypatch.setattr(sweep, "run_point", lambda prof, p, run_dir: {
+        "point_id": p.id, "status": "ok" if p.k == 0 else "error", "error": "x", "wall_s": 1,
+        "passes": [{"round": 1}]})
+    rounds = []
+    monkeypatch.setattr(sweep, "timing_round", lambda prof, p, run_dir, rnd, log: rounds.append(
+        (p.id, rnd)) or {"point_id": p.id, "status": "ok", "passes": [{}] * rnd})
+    sweep.run(prof, tmp_path)
+    lines = [x for x in capsys.readouterr().out.splitlines() if "timing round" in x]
+    assert lines == ["[speclab] sweep tiny-cpu: timing round 2 of 3, 1 point(s)",
+                     "[speclab] sweep tiny-cpu: timing round 3 of 3, 1 point(s)"]
+    assert [r for _, r in rounds] == [2, 3]  # the failed point is not timed again

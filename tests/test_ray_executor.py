@@ -69,7 +69,12 @@ class LocalCluster:
     def __init__(self):
         from ray.cluster_utils import Cluster
 
+        from ray._common.utils import get_default_ray_temp_dir
+
         self.temp = tempfile.mkdtemp(prefix="rt", dir="/tmp")  # socket paths must be short
+        # Ray 2.60 writes the head's address under its default temp dir even when given
+        # another one, and fails where that dir does not exist yet (a fresh machine)
+        os.makedirs(get_default_ray_temp_dir(), exist_ok=True)
         self.cluster = Cluster(initialize_head=True, connect=False, head_node_args={
             "num_cpus": 1, "num_gpus": 0, "include_dashboard": False, "temp_dir": self.temp})
         self.address = self.cluster.address

@@ -297,11 +297,13 @@ def run(profile: Profile, run_dir: Path, points: Iterable[Point] | None = None, 
             results[meta["point_id"]] = meta
         grid = {p.id for p in expand(profile)}  # extra points (parity, formats): timed once
         for rnd in range(2, profile.timed_passes + 1):
-            for point in points:
-                meta = results[point.id]
-                if point.id in grid and meta["status"] == "ok" and \
-                        len(meta.get("passes", [])) < rnd:
-                    results[point.id] = timing_round(profile, point, run_dir, rnd, log)
+            due = [p for p in points if p.id in grid and results[p.id]["status"] == "ok"
+                   and len(results[p.id].get("passes", [])) < rnd]
+            if progress and due:
+                log(f"{prog.PREFIX} sweep {profile.name}: timing round {rnd} of "
+                    f"{profile.timed_passes}, {len(due)} point(s)")
+            for point in due:
+                results[point.id] = timing_round(profile, point, run_dir, rnd, log)
     return [results[p.id] for p in points]
 
 

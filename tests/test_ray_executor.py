@@ -20,7 +20,7 @@ from speclab import executor_ray, profiles, sweep
 from speclab.sweep import Point
 
 OVER = {"prompts": {"limit": 4}, "max_tokens": 16, "grid": {"num_speculative_tokens": [0, 2]},
-        "ray": {"resource": "GPU"}}
+        "ray": {"resource": "GPU"}, "timed_passes": 2}
 RAY = str(Path(sys.executable).parent / "ray")
 
 
@@ -183,6 +183,7 @@ def test_ray_sweep_on_a_local_cluster(tmp_path, fixture_cache, monkeypatch):
         assert sum(line.startswith("[") and " ok on " in line and " in " in line
                    for line in out.splitlines()) == 2, out
         assert "ETA" in out and "sweep done" in out
+        assert "timing round" not in out  # rounds ran on the nodes, in the points' tasks
 
         metas = {i: sweep.read_meta(ray_dir, i) for i in ids}
         for i, m in metas.items():
@@ -190,6 +191,8 @@ def test_ray_sweep_on_a_local_cluster(tmp_path, fixture_cache, monkeypatch):
             assert m["status"] == "ok" and ex["kind"] == "ray" and ex["attempts"] == 2, m
             assert ex["retries"][0]["node_id"] != ex["node_id"]  # rerun elsewhere
             assert m["side_by_side"] == [j for j in ids if j != i]
+            assert [p["round"] for p in m["passes"]] == [1, 2], m["passes"]
+            assert (ray_dir / "logs" / f"{i}.round2.log").exists()
         assert {m["executor"]["cuda_visible_devices"] for m in metas.values()} == {"0", "1"}
 
         # exactly the local executor's counters and tokens

@@ -59,9 +59,11 @@ def side_by_side(spans: dict[str, tuple], point_id: str, end: float) -> list[str
 
 
 # --------------------------------------------------------------------- on the node
-def run_on_node(profile_json: str, point_json: str, prompts: bytes, asked_cpus: bool) -> dict:
+def run_on_node(profile_json: str, point_json: str, prompts: bytes, asked_cpus: bool,
+                rounds: int = 1) -> dict:
     """Ray task body: run one point through `sweep.run_point` in a scratch folder (with the
-    driver's prompt file) and return that folder's files with where and how it ran."""
+    driver's prompt file), then its timing rounds 2..rounds on the same node (the driver may
+    have no GPU), and return that folder's files with where and how it ran."""
     import ray
 
     from speclab import sweep
@@ -78,6 +80,9 @@ def run_on_node(profile_json: str, point_json: str, prompts: bytes, asked_cpus: 
             update={"file": str(pfile)})})
         scratch = Path(tmp) / "run"
         meta = sweep.run_point(prof, point, scratch)
+        for rnd in range(2, rounds + 1):
+            if meta["status"] == "ok":
+                meta = sweep.timing_round(prof, point, scratch, rnd)
         files = {str(p.relative_to(scratch)): p.read_bytes() for p in scratch.rglob("*")
                  if p.is_file() and not p.name.startswith(".")}
     ctx = ray.get_runtime_context()
@@ -160,7 +165,7 @@ def run(profile: Profile, run_dir: Path, points: list, log: Callable | None = pr
                 task = remote.options(**task_options(profile, p), scheduling_strategy=
                                       PlacementGroupSchedulingStrategy(pgs[pid], 0)).remote(
                     profile.model_dump_json(), p.model_dump_json(), prompts,
-                    resource(profile) == "CPU")
+                    resource(profile) == "CPU", profile.timed_passes if pid in grid else 1)
                 running[task] = pid
                 continue
             pid = running.pop(ref)

@@ -266,7 +266,8 @@ def run(profile: Profile, run_dir: Path, points: Iterable[Point] | None = None, 
     superseded/ and measured again, with one line saying why. Failed points are retried
     unless retry_failed is False. A point that fails or times out is recorded with its error
     and the sweep goes on. Then timing rounds 2..timed_passes run over the profile's grid
-    points in order (other points, e.g. parity arms, are timed once).
+    points in order (other points, e.g. parity arms, are timed once); on Ray each point takes
+    its rounds back to back on its own node, in the task that measured it.
     Points run through the profile's executor (`speclab.executors`: local, or Ray).
     Ctrl-C stops the workers in flight and keeps everything already written. Progress: one
     line per point (status, node, duration, ETA) and the fixture builds' steps (`speclab.progress`)."""
@@ -296,7 +297,9 @@ def run(profile: Profile, run_dir: Path, points: Iterable[Point] | None = None, 
                 log(f"point {meta['point_id']} failed: {meta['error']}")
             results[meta["point_id"]] = meta
         grid = {p.id for p in expand(profile)}  # extra points (parity, formats): timed once
-        for rnd in range(2, profile.timed_passes + 1):
+        # Ray: each point's rounds ran in its own task, on its node (executor_ray.run_on_node)
+        rounds = profile.timed_passes if profile.executor == "local" else 1
+        for rnd in range(2, rounds + 1):
             due = [p for p in points if p.id in grid and results[p.id]["status"] == "ok"
                    and len(results[p.id].get("passes", [])) < rnd]
             if progress and due:

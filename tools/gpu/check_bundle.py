@@ -5,7 +5,7 @@ Run after `tools/gpu/pack.sh --vllm X --tree-only` (or a full pack), which lays 
 bundle's wheels out with `pip install --no-deps --target $WORK/tree/site`:
 
   python3 tools/gpu/check_bundle.py [--vllm 0.22.0] [--site DIR] [--vllm-src DIR]
-        [--kinds /work/.library/device/KINDS.md] [--json OUT]
+        --kinds KINDS.md [--json OUT]
 
 Two checks, each against "the device image (KINDS.md) + the bundle":
 
@@ -279,7 +279,8 @@ def main():
                     help="which bundle's tree to check")
     ap.add_argument("--site", help="the laid-out tree (default: pack.sh's for --vllm)")
     ap.add_argument("--vllm-src", help="vllm package dir to trace (default: SITE/vllm)")
-    ap.add_argument("--kinds", default="/work/.library/device/KINDS.md")
+    ap.add_argument("--kinds", required=True, help="the device machine's description "
+                    "(KINDS.md of the device tool): its image's package list")
     ap.add_argument("--json", help="write all rows here")
     a = ap.parse_args()
 

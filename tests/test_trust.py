@@ -165,6 +165,11 @@ def test_timed_passes_run_in_rounds_over_the_points(prof_path, tmp_path, fake):
     assert starts(fake) == [f"{k0} full 1", f"{k2} full 1", f"{k0} timing 2", f"{k2} timing 2",
                             f"{k0} timing 3", f"{k2} timing 3"]
     assert [len(m["passes"]) for m in res] == [3, 3]
+    logs = run_dir / "logs"  # each round has its own log and spec; round 1's are kept
+    assert f"{k0} full 1" in (logs / f"{k0}.log").read_text()
+    assert "timing" not in json.loads((logs / f"{k0}.spec.json").read_text()).get("mode", "")
+    assert f"{k0} timing 3" in (logs / f"{k0}.round3.log").read_text()
+    assert json.loads((logs / f"{k0}.round3.spec.json").read_text())["round"] == 3
     sweep_run(prof_path, run_dir, {"timed_passes": 4})  # resuming adds only the missing round
     assert starts(fake)[6:] == [f"{k0} timing 4", f"{k2} timing 4"]
     pts, _ = sweep.load_results(run_dir)

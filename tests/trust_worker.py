@@ -34,6 +34,7 @@ def main(spec_path: str) -> int:
     if os.environ.get("TRUST_LOG"):
         with open(os.environ["TRUST_LOG"], "a") as f:
             f.write(f"{point.id} {mode} {rnd}\n")
+    print(f"stand-in worker: {point.id} {mode} {rnd}", flush=True)  # lands in the point's log
     time.sleep(float(os.environ.get("TRUST_SLEEP", "0")))
     tok_s = 100.0 * (1 + point.k) + rnd
     passed = {"round": rnd, "generate_s": 1.0, "output_tokens": 2 * profile.max_tokens,

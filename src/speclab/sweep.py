@@ -405,14 +405,14 @@ def timing_round(profile: Profile, point: Point, run_dir: Path, rnd: int, log=pr
     logged and kept under `pass_errors`; the point's results stay."""
     run_dir = Path(run_dir)
     meta = read_meta(run_dir, point.id)
-    stem = run_dir / "logs" / f"{point.id}.round{rnd}"
-    out = stem.with_suffix(".json")
+    stem = run_dir / "logs" / f"{point.id}.round{rnd}"  # beside round 1's files, not over them
+    out = Path(f"{stem}.json")
     out.unlink(missing_ok=True)
     spec = {"profile": profile.model_dump(mode="json"), "point": point.model_dump(mode="json"),
             "run_dir": str(run_dir), "parent_pid": os.getpid(), "mode": "timing",
             "round": rnd, "output": str(out)}
-    log_path = stem.with_suffix(".log")
-    error = _worker(profile, point, spec, stem.with_suffix(".spec.json"), log_path)
+    log_path = Path(f"{stem}.log")
+    error = _worker(profile, point, spec, Path(f"{stem}.spec.json"), log_path)
     try:
         passed = json.loads(out.read_text()) if error is None else None
     except (OSError, json.JSONDecodeError) as e:

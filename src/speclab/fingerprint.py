@@ -40,7 +40,7 @@ def prompt_set(profile) -> dict[str, Any]:
     from speclab.profiles import prompt_file
 
     path = prompt_file(profile)
-    return {"file": profile.prompts.file, "sha256": _sha256(path) if path.exists() else None,
+    return {"file": profile.prompts.file, "sha256": file_sha256(path) if path.exists() else None,
             "limit": profile.prompts.limit, "categories": profile.prompts.categories,
             "seed": profile.prompts.seed, "format": None}
 
@@ -59,7 +59,7 @@ def model_identity(ref: str | None) -> str | None:
     if p.is_dir():
         weights = sorted((f.name, f.stat().st_size) for f in p.iterdir()
                          if f.suffix in (".safetensors", ".bin", ".pt"))
-        cfg = _sha256(p / "config.json") if (p / "config.json").exists() else None
+        cfg = file_sha256(p / "config.json") if (p / "config.json").exists() else None
         return f"{ref}@config:{cfg}@weights:{_digest(weights)[:16]}"
     try:
         from huggingface_hub import try_to_load_from_cache
@@ -165,7 +165,8 @@ def _digest(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def _sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
+    """sha256 of a file, read in 1 MiB chunks."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):

@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from speclab.fingerprint import file_sha256
 from speclab.fixtures import dsv4_rigs as RG
 from speclab.fixtures import dsv4_target as T
 from speclab.fixtures.dsv4_layer_rig import EXTRA_TOKENS, junk_maps
@@ -250,19 +251,13 @@ def expectations(prompt_file: str = PROMPT_FILE, max_tokens: int = 64, k: int = 
                         [list(p.prompt_token_ids) for p in plist], max_tokens, k,
                         fp8_sim=fp8_sim)
     fx = {n: {"dir": d.name, "safetensors_sha256": json.loads(
-        (d / T.FIXTURE_META).read_text()).get("safetensors_sha256") or _sha256(
+        (d / T.FIXTURE_META).read_text()).get("safetensors_sha256") or file_sha256(
         d / "model.safetensors")} for n, d in dirs.items()}
     return {"prompts": prompt_file, "prompt_ids": [p.id for p in plist],
             "max_tokens": max_tokens, "k": k, "fp8_sim": fp8_sim, "fixtures": fx,
             "command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
             "libraries": {m: metadata.version(m) for m in ("torch", "transformers")},
             "wall_s": round(time.time() - t0, 1), **res}
-
-
-def _sha256(path: Path) -> str:
-    import hashlib
-
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
 def check_run(expected: dict, arm: str, run_dir: Path) -> dict:
@@ -307,7 +302,7 @@ def same_weights(expected: dict, arm: str) -> dict[str, bool]:
     expectations were computed on (sha256 of model.safetensors)."""
     from speclab import fixtures
 
-    return {n: _sha256(fixtures.build(n) / "model.safetensors")
+    return {n: file_sha256(fixtures.build(n) / "model.safetensors")
             == expected["fixtures"][n]["safetensors_sha256"] for n in (TARGET, ARMS[arm]["draft"])}
 
 

@@ -6,7 +6,6 @@ stamp every figure carries."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import platform
@@ -17,6 +16,7 @@ import time
 from pathlib import Path
 
 from speclab import paths, profiles
+from speclab.fingerprint import file_sha256
 
 
 def _point_metas(run_dir: Path) -> list[dict]:
@@ -86,14 +86,6 @@ def caption(run_dir: str | Path) -> str:
 
 
 # --------------------------------------------------------------------- the rendering machine
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _git(*args: str) -> str | None:
     if paths.CHECKOUT is None or not (paths.CHECKOUT / ".git").exists():
         return None
@@ -124,7 +116,7 @@ def rendering(prof, profile_path: Path, notebook_files, params: dict, timings: d
     from speclab.engine import versions
 
     inputs = [profile_path, profiles.prompt_file(prof), *notebook_files]
-    hashes = {_rel(p): sha256(p) for p in inputs if Path(p).exists()}
+    hashes = {_rel(p): file_sha256(p) for p in inputs if Path(p).exists()}
     for ref in filter(None, (prof.target, prof.draft)):
         if ref.startswith("fixture:"):
             try:
@@ -135,7 +127,7 @@ def rendering(prof, profile_path: Path, notebook_files, params: dict, timings: d
             meta = fixtures.fixture_dir(name) / "speclab_fixture.json" \
                 if name in fixtures.FIXTURES else None
             if meta is not None and meta.exists():
-                hashes[ref] = sha256(meta)
+                hashes[ref] = file_sha256(meta)
     return {
         "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
         "command": " ".join(shlex.quote(a) for a in _argv()),

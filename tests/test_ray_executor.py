@@ -16,7 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from speclab import executor_ray, profiles, sweep
+from speclab import executor_ray, executors, profiles, sweep
 from speclab.sweep import Point
 
 OVER = {"prompts": {"limit": 4}, "max_tokens": 16, "grid": {"num_speculative_tokens": [0, 2]},
@@ -34,6 +34,10 @@ def test_placement_and_side_by_side():
                                                   "num_gpus": 1}
     cpu = profiles.load("tiny-cpu")
     assert executor_ray.bundles(cpu, p, 2, exclusive=False) == [{"CPU": 1.0}]
+    # a Ray point's fingerprint names what it asks for, not the driver's hardware
+    on_ray = prof.model_copy(update={"executor": "ray"})
+    assert executors.placement(on_ray) == {"executor": "ray", "resource": "GPU"}
+    assert executors.placement(prof) is None  # executor local
     spans = {"a": ("n1", 0, 10), "b": ("n1", 5, None), "c": ("n2", 0, 10), "d": ("n1", 10, 12)}
     assert executor_ray.side_by_side(spans, "a", 10) == ["b"]
     assert executor_ray.side_by_side(spans, "d", 12) == ["b"]

@@ -60,10 +60,11 @@ def side_by_side(spans: dict[str, tuple], point_id: str, end: float) -> list[str
 
 # --------------------------------------------------------------------- on the node
 def run_on_node(profile_json: str, point_json: str, prompts: bytes, asked_cpus: bool,
-                rounds: int = 1) -> dict:
+                rounds: int = 1, fp: dict | None = None) -> dict:
     """Ray task body: run one point through `sweep.run_point` in a scratch folder (with the
     driver's prompt file), then its timing rounds 2..rounds on the same node (the driver may
-    have no GPU), and return that folder's files with where and how it ran."""
+    have no GPU), and return that folder's files with where and how it ran. fp: the driver's
+    fingerprint of the point (its prompt file, not the node's scratch copy)."""
     import ray
 
     from speclab import sweep
@@ -79,7 +80,7 @@ def run_on_node(profile_json: str, point_json: str, prompts: bytes, asked_cpus: 
         prof = prof.model_copy(update={"prompts": prof.prompts.model_copy(
             update={"file": str(pfile)})})
         scratch = Path(tmp) / "run"
-        meta = sweep.run_point(prof, point, scratch)
+        meta = sweep.run_point(prof, point, scratch, fp)
         for rnd in range(2, rounds + 1):
             if meta["status"] == "ok":
                 meta = sweep.timing_round(prof, point, scratch, rnd)
@@ -105,8 +106,8 @@ def _drop_ray_thread_cap() -> None:
 
 
 # --------------------------------------------------------------------- on the driver
-def run(profile: Profile, run_dir: Path, points: list, log: Callable | None = print
-        ) -> Iterator[dict]:
+def run(profile: Profile, run_dir: Path, points: list, log: Callable | None = print,
+        fps: dict[str, dict] | None = None) -> Iterator[dict]:
     """Run `points` on the Ray cluster; yield each point's metadata once it is written."""
     if not points:
         return
@@ -165,7 +166,8 @@ def run(profile: Profile, run_dir: Path, points: list, log: Callable | None = pr
                 task = remote.options(**task_options(profile, p), scheduling_strategy=
                                       PlacementGroupSchedulingStrategy(pgs[pid], 0)).remote(
                     profile.model_dump_json(), p.model_dump_json(), prompts,
-                    resource(profile) == "CPU", profile.timed_passes if pid in grid else 1)
+                    resource(profile) == "CPU", profile.timed_passes if pid in grid else 1,
+                    (fps or {}).get(pid))
                 running[task] = pid
                 continue
             pid = running.pop(ref)

@@ -16,16 +16,30 @@ from speclab.progress import PREFIX, duration
 KINDS = ("local", "ray")
 
 
-def execute(profile: Profile, run_dir: Path, points: list, log: Callable | None = print
-            ) -> Iterator[dict]:
+def placement(profile: Profile) -> dict | None:
+    """What a point's fingerprint records as its hardware: None for this machine's (local);
+    on Ray the resource a point asks for, since the node it lands on is known only after it
+    ran (the node's own hardware is in the point's `executor` and `host` metadata)."""
+    if profile.executor != "ray":
+        return None
+    from speclab.executor_ray import resource
+
+    return {"executor": "ray", "resource": resource(profile)}
+
+
+def execute(profile: Profile, run_dir: Path, points: list, log: Callable | None = print,
+            fps: dict[str, dict] | None = None) -> Iterator[dict]:
     """Run `points` with the profile's executor; yield each point's metadata as it finishes,
-    with one progress line per point (node, duration, ETA) on `log` (None: quiet)."""
+    with one progress line per point (node, duration, ETA) on `log` (None: quiet). fps: the
+    driver's fingerprint per point id, recorded as each point's (computed where it runs when
+    absent)."""
+    fps = fps or {}
     if profile.executor == "ray":
         from speclab import executor_ray
 
-        finished = executor_ray.run(profile, Path(run_dir), points, log=log)
+        finished = executor_ray.run(profile, Path(run_dir), points, log=log, fps=fps)
     else:
-        finished = local(profile, Path(run_dir), points)
+        finished = local(profile, Path(run_dir), points, fps)
     progress = Progress(profile.name, len(points))
     for meta in finished:
         if log:
@@ -33,11 +47,12 @@ def execute(profile: Profile, run_dir: Path, points: list, log: Callable | None 
         yield meta
 
 
-def local(profile: Profile, run_dir: Path, points: list) -> Iterator[dict]:
+def local(profile: Profile, run_dir: Path, points: list, fps: dict[str, dict]
+          ) -> Iterator[dict]:
     from speclab import sweep
 
     for point in points:
-        yield sweep.run_point(profile, point, run_dir)
+        yield sweep.run_point(profile, point, run_dir, fps.get(point.id))
 
 
 class Progress:

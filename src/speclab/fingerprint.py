@@ -118,8 +118,11 @@ def hardware() -> dict[str, Any]:
     return {"machine": platform.machine(), "cpu": cpu, "cpus": cores, "gpus": gpus}
 
 
-def of_point(profile, point, *, mode: str = "offline") -> dict[str, Any]:
-    """{"digest", "parts"} of one point as this machine would measure it now."""
+def of_point(profile, point, *, mode: str = "offline", placement: dict | None = None
+             ) -> dict[str, Any]:
+    """{"digest", "parts"} of one point as this machine would measure it now; `placement`
+    stands for this machine's hardware where a point runs elsewhere (Ray: the resource it
+    asks for, `executors.placement`)."""
     from speclab import engine
 
     target, draft = model_identity(profile.target), model_identity(
@@ -129,7 +132,7 @@ def of_point(profile, point, *, mode: str = "offline") -> dict[str, Any]:
              "sampling": sampling(profile, point),
              "prompts": {**prompt_set(profile), "format": point.prompt_format},
              "models": {"target": target, "draft": draft}, "software": software(),
-             "hardware": hardware()}
+             "hardware": placement if placement is not None else hardware()}
     parts = json.loads(json.dumps(parts, default=str))
     return {"digest": _digest(parts), "parts": parts}
 

@@ -284,7 +284,8 @@ def run(profile: Profile, run_dir: Path, points: Iterable[Point] | None = None, 
         prepare_models(profile, points)
         stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
         _save_profile(profile, run_dir, stamp)
-        fps = {p.id: fingerprint.of_point(profile, p) for p in points}
+        where = executors.placement(profile)
+        fps = {p.id: fingerprint.of_point(profile, p, placement=where) for p in points}
         todo = {p.id for p in points
                 if _needs_run(run_dir, p.id, fps[p.id], retry_failed, stamp, log)}
         results = {p.id: read_meta(run_dir, p.id) for p in points if p.id not in todo}
@@ -292,7 +293,8 @@ def run(profile: Profile, run_dir: Path, points: Iterable[Point] | None = None, 
             log(f"{prog.PREFIX} sweep {profile.name}: {len(results)} of {len(points)} points "
                 "measured earlier with these settings, kept")
         run = list({p.id: p for p in points if p.id in todo}.values())
-        for meta in executors.execute(profile, run_dir, run, log=log if progress else None):
+        for meta in executors.execute(profile, run_dir, run, log=log if progress else None,
+                                      fps=fps):
             if meta["status"] != "ok":
                 log(f"point {meta['point_id']} failed: {meta['error']}")
             results[meta["point_id"]] = meta

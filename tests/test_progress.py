@@ -32,7 +32,7 @@ def test_sweep_prints_a_line_per_point(tmp_path, monkeypatch, capsys):
             "fingerprint": fingerprint.of_point(prof, points[0])}
     sweep.write_point(tmp_path, points[0].id, pd.DataFrame({"request": [0]}), done)
     monkeypatch.setattr(sweep, "prepare_models", lambda *a: None)
-    monkeypatch.setattr(sweep, "run_point", lambda prof, p, run_dir: {
+    monkeypatch.setattr(sweep, "run_point", lambda prof, p, run_dir, fp=None: {
         "point_id": p.id, "status": "ok" if p.k == 1 else "error", "error": "boom", "wall_s": 65})
     sweep.run(prof, tmp_path, points)
     lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("[speclab] sweep")]
@@ -50,7 +50,7 @@ def test_timing_rounds_announce_themselves(tmp_path, monkeypatch, capsys):
     prof = profiles.load("tiny-cpu", {"grid": {"num_speculative_tokens": [0, 1]},
                                       "timed_passes": 3})
     monkeypatch.setattr(sweep, "prepare_models", lambda *a: None)
-    monkeypatch.setattr(sweep, "run_point", lambda prof, p, run_dir: {
+    monkeypatch.setattr(sweep, "run_point", lambda prof, p, run_dir, fp=None: {
         "point_id": p.id, "status": "ok" if p.k == 0 else "error", "error": "x", "wall_s": 1,
         "passes": [{"round": 1}]})
     rounds = []

@@ -152,9 +152,9 @@ def test_make_report_measures_into_its_own_ignored_folder(prof_path, monkeypatch
     assert seen[0] == "trust-local"
     assert seen[1].startswith("trust-local-") and seen[1] != seen[0]
     for run_id in ("tiny-cpu-local", "tiny-cpu-local-20261201-101010"):
-        ignored = subprocess.run(["git", "check-ignore", "-q", f"data/runs/{run_id}/points/x"],
-                                 cwd=REPO)
-        assert ignored.returncode == 0, f"{run_id}: the main job's run folder is not ignored"
+        for path in (f"data/runs/{run_id}/points/x", f"figures/{run_id}/x.png"):
+            ignored = subprocess.run(["git", "check-ignore", "-q", path], cwd=REPO)
+            assert ignored.returncode == 0, f"{path}: the main job's output is not ignored"
 
 
 # --------------------------------------------------------------------- timing rounds

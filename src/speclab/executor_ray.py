@@ -106,9 +106,10 @@ def _drop_ray_thread_cap() -> None:
 
 
 # --------------------------------------------------------------------- on the driver
-def run(profile: Profile, run_dir: Path, points: list, log: Callable | None = print,
-        fps: dict[str, dict] | None = None) -> Iterator[dict]:
-    """Run `points` on the Ray cluster; yield each point's metadata once it is written."""
+def run(profile: Profile, run_dir: Path, points: list, fps: dict[str, dict],
+        log: Callable | None = print) -> Iterator[dict]:
+    """Run `points` on the Ray cluster; yield each point's metadata once it is written, with
+    the driver's fingerprint (fps, by point id) as each point's."""
     if not points:
         return
     try:
@@ -167,7 +168,7 @@ def run(profile: Profile, run_dir: Path, points: list, log: Callable | None = pr
                                       PlacementGroupSchedulingStrategy(pgs[pid], 0)).remote(
                     profile.model_dump_json(), p.model_dump_json(), prompts,
                     resource(profile) == "CPU", profile.timed_passes if pid in grid else 1,
-                    (fps or {}).get(pid))
+                    fps.get(pid))
                 running[task] = pid
                 continue
             pid = running.pop(ref)

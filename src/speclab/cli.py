@@ -221,14 +221,25 @@ def cmd_fixtures(a) -> int:
 
     progress.log_to_stdout()  # the build's steps (training loss, times)
     cache = Path(a.cache) if a.cache else None
-    names = a.names or list(fixtures.FIXTURES)
+    names = a.names or [n for n, fx in fixtures.FIXTURES.items() if fx.by_default]
     if a.action == "list":
-        for name in fixtures.FIXTURES:
-            print(name)
+        for name, fx in fixtures.FIXTURES.items():
+            print(name if fx.by_default else f"{name} (built only when named)")
         return 0
+    import yaml
+
+    params: dict[str, dict] = {}
+    for item in a.param:
+        key, sep, value = item.partition("=")
+        fixture, dot, field = key.rpartition(".")
+        if not (sep and dot and fixture and field):
+            raise SystemExit(f"speclab: --param wants FIXTURE.KEY=VALUE (e.g. "
+                             f"realshape-dsv4.num_layers=8), got {item!r}")
+        params.setdefault(fixture, {})[field] = yaml.safe_load(value)
     for name in names:
         t0 = time.time()
-        path = fixtures.build(name, cache, seed=a.seed, force=a.force)
+        mine = {f: v for f, v in params.items() if f in fixtures.closure(name)}
+        path = fixtures.build(name, cache, seed=a.seed, force=a.force, params=mine or None)
         print(f"{name}: {path} ({time.time() - t0:.1f} s)")
     return 0
 
@@ -328,6 +339,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cache", help="cache directory (default: $SPECLAB_CACHE/fixtures)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--force", action="store_true")
+    p.add_argument("--param", action="append", default=[], metavar="FIXTURE.KEY=VALUE",
+                   help="a build parameter (YAML value), e.g. realshape-dsv4.num_layers=8")
     p.set_defaults(fn=cmd_fixtures)
 
     p = sub.add_parser("aux-report", help="render a folder of GPU aux checks as report.html")

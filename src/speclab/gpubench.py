@@ -1,0 +1,442 @@
+"""Step costs of the real-shape pair on a GPU: resident engines, rounds interleaved over k and
+batch size, the drafter's share measured with CUDA events.
+
+    python -m speclab.gpubench drive --state DIR --deadline EPOCH [--plan default]
+
+A plan is a list of engines (target layers, k, eager or CUDA graphs, batch sizes). The driver
+builds the fixtures, packs the engines into groups that fit the GPU together (weights from the
+checkpoint index plus a per-engine allowance, refined from what the previous group used), starts
+each group's engines as workers (one subprocess each, holding one `vllm.LLM`), and then runs
+`rounds` rounds: in round r every engine of the group, in turn, runs every batch size B as a
+pair of passes on the same fresh prompts (B x `prompt_len` random draft-range ids): `max_tokens`
+1 (prefill) and `max_tokens` (greedy, ignore_eos). Only one engine works at a time, so each has
+the GPU to itself; the others wait idle. Round 0 is the untimed warm-up that compiles every
+kernel shape the timed rounds use. A plain engine also runs `extra_batches` (the batch sizes a
+verify step of B x (k + 1) tokens corresponds to: the cost model's input). After the rounds,
+each speculative engine runs one `split` pass per batch size with `speclab.steptiming` active
+(CUDA events around the drafter), so the draft's cost is measured, not assumed.
+
+Every pass appends one JSON line to DIR/results.jsonl (counters, the expectation from
+`realshape.expected_counters`, whether each output equals the target's known greedy tokens,
+wall times); engines' resolved settings and log facts go to DIR/engines.jsonl. A rerun skips
+what is there, so a driver cut short resumes. Analysis: `speclab.predict`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+PROMPT_LEN = 256
+MAX_TOKENS = 128
+ROUNDS = 5
+EXTRA_ROUNDS = 3
+GIB = 2 ** 30
+KV_BYTES = 2 * GIB
+OVERHEAD_GIB = 3.0  # per engine beyond weights and KV: CUDA context, activations, graphs
+SPEC_BATCHES = (1, 4, 16)
+
+
+@dataclass
+class Engine:
+    """One engine of a plan."""
+
+    layers: int
+    k: int
+    eager: bool = False
+    batches: tuple[int, ...] = SPEC_BATCHES
+    extra_batches: tuple[int, ...] = ()
+    expert_dtype: str = "fp4"
+
+    @property
+    def name(self) -> str:
+        return f"L{self.layers}-k{self.k}-{'eager' if self.eager else 'graphs'}"
+
+    @property
+    def max_num_seqs(self) -> int:
+        return max((*self.batches, *self.extra_batches))
+
+
+def verify_batches(batches, ks) -> tuple[int, ...]:
+    """Plain batch sizes with as many tokens as the verify steps B x (k + 1) of `ks`."""
+    out = {b * (k + 1) for b in batches for k in ks}
+    return tuple(sorted(out - set(batches)))
+
+
+def default_plan() -> list[Engine]:
+    """The issue-23 plan, in priority order: CUDA graphs at 4 and 8 layers (plain with the
+    verify-sized batches, k = 1..5), then eager at 4 layers (plain, k = 3)."""
+    ks = range(1, 6)
+    plan = []
+    for layers in (4, 8):
+        plan.append(Engine(layers, 0, extra_batches=verify_batches(SPEC_BATCHES, ks)))
+        plan += [Engine(layers, k) for k in ks]
+    plan += [Engine(4, 0, eager=True), Engine(4, 3, eager=True)]
+    return plan
+
+
+PLANS = {"default": default_plan,
+         "smoke": lambda: [Engine(4, 0, batches=(1,), extra_batches=(4,)),
+                           Engine(4, 3, batches=(1,))]}
+
+
+# --------------------------------------------------------------------------- worker
+LOG_FACTS = re.compile(
+    r"(CompilationMode|compilation_config|cudagraph_mode|BREAKABLE_CUDAGRAPH|torch\.compile|"
+    r"MoE backend|Mxfp4|MARLIN|Model loading took|KV cache memory|KV cache size|"
+    r"Capturing CUDA graph|Graph capturing finished|enforce_eager|async scheduling|"
+    r"EAGLE-3|overlay|steptiming|Loading plugin|attention backend)", re.IGNORECASE)
+
+
+def log_facts(text: str, limit: int = 60) -> list[str]:
+    """The lines of an engine log that say what ran (compile mode, graphs, MoE backend,
+    memory), de-duplicated, without the logger's prefix."""
+    seen, out = set(), []
+    for line in text.splitlines():
+        if LOG_FACTS.search(line):
+            s = re.sub(r"^.*?\] ", "", line.strip())[:300]
+            if s not in seen:
+                seen.add(s)
+                out.append(s)
+    return out[:limit]
+
+
+def engine_args(eng: Engine, target: str, draft: str | None, kv_bytes: int,
+                gpu_fraction: float) -> dict:
+    """`LLM(**args)` for one engine of the plan."""
+    args = dict(model=target, skip_tokenizer_init=True, kv_cache_dtype="fp8",
+                enforce_eager=eng.eager, max_model_len=2048, max_num_seqs=eng.max_num_seqs,
+                max_num_batched_tokens=4096, enable_prefix_caching=False,
+                disable_log_stats=False, seed=0, gpu_memory_utilization=gpu_fraction,
+                kv_cache_memory_bytes=kv_bytes)
+    if not eng.eager:
+        # graphs for every verify step of the plan (B x (k + 1) tokens)
+        args["compilation_config"] = {"max_cudagraph_capture_size":
+                                      max(8, eng.max_num_seqs * (eng.k + 1))}
+    if eng.k:
+        args["speculative_config"] = {"method": "eagle3", "model": draft,
+                                      "num_speculative_tokens": eng.k}
+    return args
+
+
+
+
+def resolved(llm) -> dict:
+    """What the engine resolved (not what was asked): compile mode, CUDA-graph mode and
+    sizes, async scheduling, the speculative method."""
+    cfg = llm.llm_engine.vllm_config
+    cc = cfg.compilation_config
+    out = {"compilation_mode": str(getattr(cc, "mode", None)),
+           "cudagraph_mode": str(getattr(cc, "cudagraph_mode", None)),
+           "cudagraph_capture_sizes": list(getattr(cc, "cudagraph_capture_sizes", None) or []),
+           "enforce_eager": cfg.model_config.enforce_eager,
+           "async_scheduling": getattr(cfg.scheduler_config, "async_scheduling", None),
+           "kv_cache_dtype": cfg.cache_config.cache_dtype}
+    sc = cfg.speculative_config
+    if sc is not None:
+        out["speculative"] = {"method": sc.method, "k": sc.num_speculative_tokens}
+    return out
+
+
+def worker(spec: dict, out_fd: int) -> int:
+    """One engine: build it, say so, then answer commands (JSON lines on stdin)."""
+    from speclab import metrics, steptiming
+    from speclab.fixtures import realshape
+
+    out = os.fdopen(out_fd, "w", buffering=1)
+
+    def say(msg: dict) -> None:
+        out.write(json.dumps(msg) + "\n")
+
+    t0 = time.perf_counter()
+    import vllm
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(**spec["args"])
+    say({"op": "ready", "engine_init_s": round(time.perf_counter() - t0, 1),
+         "vllm": vllm.__version__, "resolved": resolved(llm)})
+    succ = realshape.successors(spec["args"]["model"])
+    k = spec["k"]
+    timing = Path(spec["timing_dir"])
+
+    def gen(prompts, n):
+        sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=False)
+        c0 = metrics.from_snapshot(llm.get_metrics())
+        g0 = time.perf_counter()
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+        dt = time.perf_counter() - g0
+        return dt, outs, (metrics.from_snapshot(llm.get_metrics()) - c0).to_dict()
+
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd["op"] == "stop":
+            break
+        B, seed = cmd["B"], cmd["seed"]
+        prompts = realshape.prompt_ids(B, PROMPT_LEN, seed=seed, max_tokens=MAX_TOKENS, k=k)
+        if cmd["op"] == "pass":
+            t1, _, _ = gen(prompts, 1)
+            tn, outs, c = gen(prompts, MAX_TOKENS)
+            exact = sum(list(o.outputs[0].token_ids) == realshape.greedy(succ, p, MAX_TOKENS)
+                        for o, p in zip(outs, prompts))
+            msg = {"op": "pass", "t_prefill_s": t1, "t_full_s": tn, "counters": c,
+                   "outputs_exact": exact,
+                   "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs)}
+            if k:
+                msg["expected"] = realshape.expected_counters(succ, prompts, k, MAX_TOKENS)
+            say(msg)
+        elif cmd["op"] == "split":
+            before = len(steptiming.read(timing))
+            (timing / steptiming.FLAG).touch()
+            tn, _, c = gen(prompts, MAX_TOKENS)
+            (timing / steptiming.FLAG).unlink()
+            gen(prompts[:1], 2)  # the next drafter call writes the recorded events out
+            calls = steptiming.read(timing)[before:]
+            say({"op": "split", "t_full_s": tn, "counters": c, "calls": calls})
+    return 0
+
+
+# --------------------------------------------------------------------------- driver
+def log(msg: str, fh=None) -> None:
+    line = f"[gpubench {time.strftime('%H:%M:%S')}] {msg}"
+    print(line, flush=True)
+    if fh:
+        fh.write(line + "\n")
+        fh.flush()
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+
+
+def append_jsonl(path: Path, row: dict) -> None:
+    with open(path, "a") as fh:
+        fh.write(json.dumps(row) + "\n")
+
+
+@dataclass
+class Worker:
+    eng: Engine
+    proc: subprocess.Popen
+    reader: object
+    log_path: Path
+    ready: dict = field(default_factory=dict)
+
+    def ask(self, cmd: dict, timeout: float) -> dict:
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        return self.read(timeout)
+
+    def read(self, timeout: float) -> dict:
+        import select
+
+        end = time.time() + timeout
+        while time.time() < end:
+            r, _, _ = select.select([self.reader], [], [], 1.0)
+            if r:
+                line = self.reader.readline()
+                if not line:
+                    raise RuntimeError(f"{self.eng.name}: worker exited "
+                                       f"(rc {self.proc.poll()}); see {self.log_path}")
+                return json.loads(line)
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.eng.name}: worker exited (rc {self.proc.returncode});"
+                                   f" see {self.log_path}")
+        raise TimeoutError(f"{self.eng.name}: no answer in {timeout:.0f} s")
+
+    def stop(self) -> None:
+        try:
+            if self.proc.poll() is None:
+                self.proc.stdin.write(json.dumps({"op": "stop"}) + "\n")
+                self.proc.stdin.flush()
+                self.proc.wait(timeout=30)
+        except (OSError, subprocess.TimeoutExpired, ValueError):
+            pass
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                break
+            time.sleep(2)
+
+
+def start_worker(eng: Engine, args: dict, state: Path) -> Worker:
+    r, w = os.pipe()
+    log_path = state / "logs" / f"{eng.name}.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    timing = state / "steptiming" / eng.name
+    timing.mkdir(parents=True, exist_ok=True)
+    spec = {"args": args, "k": eng.k, "timing_dir": str(timing)}
+    env = {**os.environ, "SPECLAB_STEP_TIMING": str(timing), "PYTHONUNBUFFERED": "1"}
+    with open(log_path, "a") as fh:
+        proc = subprocess.Popen([sys.executable, "-m", "speclab.gpubench", "worker",
+                                 json.dumps(spec), str(w)], stdin=subprocess.PIPE, stdout=fh,
+                                stderr=subprocess.STDOUT, text=True, pass_fds=(w,),
+                                start_new_session=True, env=env)
+    os.close(w)
+    return Worker(eng, proc, os.fdopen(r), log_path)
+
+
+def gpu_memory() -> tuple[float, float]:
+    """(total, used) GiB of GPU 0 from nvidia-smi."""
+    q = subprocess.run(["nvidia-smi", "--query-gpu=memory.total,memory.used",
+                        "--format=csv,noheader,nounits"], capture_output=True, text=True,
+                       timeout=30).stdout.split("\n")[0].split(",")
+    return float(q[0]) / 1024, float(q[1]) / 1024
+
+
+def pack_groups(plan: list[Engine], weights_gib: dict[int, float], capacity_gib: float,
+                overhead_gib: float) -> list[list[Engine]]:
+    """Consecutive engines of one (layers, eager) that fit `capacity_gib` together (at least
+    one engine a group)."""
+    need = lambda e: weights_gib[e.layers] + KV_BYTES / GIB + overhead_gib
+    groups: list[list[Engine]] = []
+    for e in plan:
+        g = groups[-1] if groups else None
+        if g and (g[0].layers, g[0].eager) == (e.layers, e.eager) and \
+                sum(map(need, g)) + need(e) <= capacity_gib:
+            g.append(e)
+        else:
+            groups.append([e])
+    return groups
+
+
+def build_fixtures(plan: list[Engine], fh) -> dict[tuple[int, str], tuple[str, str]]:
+    from speclab import fixtures
+
+    paths = {}
+    for layers, xd in sorted({(e.layers, e.expert_dtype) for e in plan}):
+        t0 = time.time()
+        p = {"realshape-dsv4": {"num_layers": layers, "expert_dtype": xd}}
+        draft = fixtures.build("realshape-dsv4-eagle3", params=p)
+        target = fixtures.build("realshape-dsv4", params=p)
+        paths[(layers, xd)] = (str(target), str(draft))
+        log(f"fixtures L{layers} {xd}: {target.name}, {draft.name} ({time.time() - t0:.0f} s)",
+            fh)
+    return paths
+
+
+def index_gib(target: str) -> float:
+    idx = json.loads((Path(target) / "model.safetensors.index.json").read_text())
+    return idx["metadata"]["total_size"] / GIB
+
+
+def drive(state: Path, deadline: float, plan_name: str, rounds: int,
+          paths: dict | None = None) -> int:
+    """Run the plan's engines (module doc) until done or `deadline`; `paths`: {(layers,
+    expert dtype): (target, draft)} instead of building the fixtures."""
+    state.mkdir(parents=True, exist_ok=True)
+    fh = open(state / "driver.log", "a")
+    plan = PLANS[plan_name]()
+    results = state / "results.jsonl"
+    engines_file = state / "engines.jsonl"
+    done = {(r["engine"], r["op"], r["round"], r["B"]) for r in read_jsonl(results)}
+    paths = paths or build_fixtures(plan, fh)
+    weights = {e.layers: index_gib(paths[(e.layers, e.expert_dtype)][0]) + 0.85 for e in plan}
+    total, used = gpu_memory()
+    overhead = OVERHEAD_GIB
+    log(f"GPU {total:.1f} GiB ({used:.1f} used); weights GiB {weights}", fh)
+
+    def todo(e: Engine) -> list[tuple]:
+        items = [("pass", r, B) for r in range(rounds + 1) for B in e.batches]
+        items += [("pass", r, B) for r in range(EXTRA_ROUNDS + 1) for B in e.extra_batches]
+        items += [("split", 0, B) for B in (e.batches if e.k else ())]
+        return [i for i in items if (e.name, *i) not in done]
+
+    failures: dict[str, int] = {}
+    remaining = [e for e in plan if todo(e)]
+    while remaining:
+        group = ([remaining[0]] if failures.get(remaining[0].name) else
+                 pack_groups(remaining, weights, 0.94 * total, overhead)[0])
+        if deadline - time.time() < 150:
+            log(f"{deadline - time.time():.0f} s left: not starting {[e.name for e in group]}",
+                fh)
+            break
+        log(f"group {[e.name for e in group]}", fh)
+        workers = []
+        try:
+            for e in group:
+                t, d = paths[(e.layers, e.expert_dtype)]
+                frac = min(0.9, (weights[e.layers] + KV_BYTES / GIB + overhead) / total)
+                workers.append(start_worker(e, engine_args(e, t, d if e.k else None, KV_BYTES,
+                                                           frac), state))
+                time.sleep(5)  # memory checks and weight loads a little apart
+            for w in workers:
+                w.ready = w.read(max(30, deadline - time.time()))
+                facts = log_facts(w.log_path.read_text(errors="replace"))
+                row = {"engine": w.eng.name, **asdict(w.eng), **w.ready, "log_facts": facts,
+                       "gpu_used_gib": gpu_memory()[1]}
+                append_jsonl(engines_file, row)
+                log(f"{w.eng.name} ready in {w.ready['engine_init_s']} s: {w.ready['resolved']}",
+                    fh)
+            used_now = gpu_memory()[1]
+            overhead = max(1.0, (used_now - used - sum(weights[e.layers] for e in group)
+                                 - len(group) * KV_BYTES / GIB) / len(group)) + 0.5
+            log(f"GPU used {used_now:.1f} GiB with {len(group)} engines: overhead "
+                f"{overhead:.1f} GiB each", fh)
+            items = sorted({i for w in workers for i in todo(w.eng)},
+                           key=lambda i: (i[0] == "split", i[1], i[2]))
+            for op, r, B in items:
+                for w in workers:
+                    if (op, r, B) not in todo(w.eng):
+                        continue
+                    if deadline - time.time() < 30:
+                        raise TimeoutError("deadline")
+                    ans = w.ask({"op": op, "B": B, "seed": 1000 * r + B},
+                                max(10, deadline - time.time()))
+                    row = {"engine": w.eng.name, "layers": w.eng.layers, "k": w.eng.k,
+                           "eager": w.eng.eager, "round": r, "B": B, **ans,
+                           "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+                    append_jsonl(results, row)
+                    done.add((w.eng.name, op, r, B))
+                    exp = ans.get("expected")
+                    ok = exp is None or exp["accepted_per_pos"] == ans["counters"].get(
+                        "accepted_per_pos")
+                    log(f"{w.eng.name} {op} r{r} B{B}: {ans.get('t_full_s', 0):.3f} s, exact "
+                        f"{ans.get('outputs_exact', '-')}/{B}, counters "
+                        f"{'= expected' if ok else 'DIFFER from expected'}", fh)
+        except (TimeoutError, RuntimeError) as err:
+            log(f"stopped: {err}", fh)
+            if isinstance(err, TimeoutError):
+                for w in workers:
+                    w.stop()
+                break
+            for w in workers:  # an engine that died gets one more start, alone
+                if w.proc.poll() is not None:
+                    failures[w.eng.name] = failures.get(w.eng.name, 0) + 1
+        for w in workers:
+            w.stop()
+        used = gpu_memory()[1]
+        remaining = [e for e in plan if todo(e) and failures.get(e.name, 0) < 2]
+    log("driver done", fh)
+    return 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m speclab.gpubench")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    d = sub.add_parser("drive")
+    d.add_argument("--state", required=True, type=Path)
+    d.add_argument("--deadline", type=float, required=True, help="epoch seconds")
+    d.add_argument("--plan", default="default", choices=sorted(PLANS))
+    d.add_argument("--rounds", type=int, default=ROUNDS)
+    w = sub.add_parser("worker")
+    w.add_argument("spec")
+    w.add_argument("fd", type=int)
+    a = ap.parse_args(argv)
+    if a.cmd == "worker":
+        return worker(json.loads(a.spec), a.fd)
+    return drive(a.state, a.deadline, a.plan, a.rounds)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

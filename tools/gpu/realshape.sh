@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# Device side of the real-shape timing study (tools/gpu/README.md "Real shape"), vLLM 0.26.
+#   bash tools/gpu/realshape.sh carry              collect the carried bundle parts (unpack.sh)
+#   bash tools/gpu/realshape.sh start MIN [PLAN]   set up once (bundle, overlay, step-timing
+#        plugin, carried JIT caches), then start `python -m speclab.gpubench drive` in a
+#        session of its own with a deadline MIN minutes from now; returns at once
+#   bash tools/gpu/realshape.sh collect SECONDS [jit]   wait up to SECONDS while the driver
+#        runs, then copy its results and logs (and with `jit` the JIT caches) to $OUT
+# The driver outlives each call (setsid) while the machine stays warm; its state is
+# /tmp/speclab_realshape (results.jsonl, engines.jsonl, driver.log, logs/).
+set -o pipefail
+cd "$(dirname "$0")/../.."
+STAGE=${STAGE:-.stage/gpu026}
+STATE=${STATE:-/tmp/speclab_realshape}
+JIT_DIRS=".triton .tilelang .deep_gemm .cache/tilelang .cache/vllm"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1
+export VLLM_DEEP_GEMM_WARMUP=skip   # the relax warm-up JIT-compiles ~1800 DeepGEMM kernels
+T0=$(date +%s)
+
+env_for_bundle() {
+  local envs
+  envs=$(bash tools/gpu/unpack.sh "$STAGE") || return $?
+  eval "$envs"
+  export PYTHONPATH="$PWD/src:$PYTHONPATH"
+}
+
+case "${1:-}" in
+carry)
+  bash tools/gpu/unpack.sh "$STAGE" >/dev/null; rc=$?
+  echo "unpack rc=$rc ($(( $(date +%s) - T0 )) s)"; exit "$rc" ;;
+start)
+  env_for_bundle || { echo "bundle incomplete (rc $?)"; exit 3; }
+  mkdir -p "$STATE"
+  if [ ! -e "$STATE/setup.done" ]; then
+    python3 -m speclab overlay install --site "$SPECLAB_SITE" || exit 4
+    python3 tools/gpu/gpu_env.py install --site "$SPECLAB_SITE" || exit 4
+    python3 -c "import sys; from speclab import steptiming; steptiming.write_plugin_dist(sys.argv[1])" "$SPECLAB_SITE" || exit 4
+    for t in .jit/*.tar.gz; do [ -e "$t" ] && tar xzf "$t" -C ~ && echo "JIT caches from $t"; done
+    du -sh $(cd ~ && for d in $JIT_DIRS; do [ -d "$d" ] && echo "$HOME/$d"; done) 2>/dev/null
+    free=$(df --output=avail -B1G /dev/shm | tail -1)
+    cache=/tmp/speclab_cache; [ "$free" -ge 48 ] && cache=/dev/shm/speclab_cache
+    echo "$cache" > "$STATE/cache_dir"
+    python3 tools/gpu/gpu_env.py report --out "$STATE/env.json" >/dev/null 2>&1
+    date -u +%FT%TZ > "$STATE/setup.done"
+  fi
+  export SPECLAB_CACHE=$(cat "$STATE/cache_dir")
+  deadline=$(( $(date +%s) + ${2:?minutes} * 60 ))
+  setsid nohup python3 -m speclab.gpubench drive --state "$STATE" --deadline "$deadline" \
+    --plan "${3:-default}" > "$STATE/daemon.out" 2>&1 < /dev/null &
+  echo "driver pid $! until $(date -d @$deadline +%T) (cache $SPECLAB_CACHE); setup $(( $(date +%s) - T0 )) s"
+  sleep 20; tail -n 5 "$STATE/daemon.out" ;;
+collect)
+  end=$(( T0 + ${2:?seconds} ))
+  while [ "$(date +%s)" -lt "$end" ] && pgrep -f "speclab.gpubench drive" >/dev/null; do sleep 5; done
+  cp "$STATE"/results.jsonl "$STATE"/engines.jsonl "$STATE"/driver.log "$STATE"/env.json "$OUT"/ 2>/dev/null
+  tail -n 200 "$STATE/daemon.out" > "$OUT/daemon.out" 2>/dev/null
+  (cd "$STATE" && tar czf "$OUT/logs.tar.gz" logs steptiming 2>/dev/null)
+  if [ "${3:-}" = jit ]; then
+    (cd ~ && tar czf "$OUT/jit-cache-vllm026.tar.gz" $(for d in $JIT_DIRS; do [ -d "$d" ] && echo "$d"; done))
+    ls -l "$OUT/jit-cache-vllm026.tar.gz"
+  fi
+  nvidia-smi --query-gpu=name,memory.used,memory.total,utilization.gpu --format=csv,noheader
+  pgrep -f "speclab.gpubench drive" >/dev/null && echo "driver still running" || echo "driver ended"
+  tail -n 25 "$STATE/driver.log" ;;
+*)
+  sed -n 2,9p "$0"; exit 2 ;;
+esac

@@ -161,8 +161,12 @@ def worker(spec: dict, out_fd: int) -> int:
     from vllm import LLM, SamplingParams
 
     llm = LLM(**spec["args"])
+    try:
+        settings = resolved(llm)
+    except AttributeError as e:  # another release's config layout: say so, keep measuring
+        settings = {"error": repr(e)}
     say({"op": "ready", "engine_init_s": round(time.perf_counter() - t0, 1),
-         "vllm": vllm.__version__, "resolved": resolved(llm)})
+         "vllm": vllm.__version__, "resolved": settings})
     succ = realshape.successors(spec["args"]["model"])
     k = spec["k"]
     timing = Path(spec["timing_dir"])

@@ -41,7 +41,8 @@ ROUNDS = 5
 EXTRA_ROUNDS = 3
 GIB = 2 ** 30
 KV_BYTES = 2 * GIB
-OVERHEAD_GIB = 3.0  # per engine beyond weights and KV: CUDA context, activations, graphs
+OVERHEAD_GIB = 2.5  # per engine beyond weights and KV: CUDA context, activations, graphs
+CAPACITY = 0.93  # share of the GPU a group may plan to use (prefill activations peak above)
 SPEC_BATCHES = (1, 4, 16)
 
 
@@ -327,17 +328,22 @@ def pack_groups(plan: list[Engine], weights_gib: dict[int, float], capacity_gib:
 
 
 def build_fixtures(plan: list[Engine], fh) -> dict[tuple[int, str], tuple[str, str]]:
+    """Build the plan's fixtures, each in a process of its own (the builder's GPU memory goes
+    back before the engines start: in-process it kept 13.5 GiB, which an engine then lacked)."""
     from speclab import fixtures
 
     paths = {}
     for layers, xd in sorted({(e.layers, e.expert_dtype) for e in plan}):
         t0 = time.time()
         p = {"realshape-dsv4": {"num_layers": layers, "expert_dtype": xd}}
-        draft = fixtures.build("realshape-dsv4-eagle3", params=p)
-        target = fixtures.build("realshape-dsv4", params=p)
-        paths[(layers, xd)] = (str(target), str(draft))
-        log(f"fixtures L{layers} {xd}: {target.name}, {draft.name} ({time.time() - t0:.0f} s)",
-            fh)
+        params = [f"--param=realshape-dsv4.{k}={v}" for k, v in p["realshape-dsv4"].items()]
+        subprocess.run([sys.executable, "-m", "speclab", "fixtures", "build",
+                        "realshape-dsv4-eagle3", *params], check=True, stdout=fh,
+                       stderr=subprocess.STDOUT)
+        paths[(layers, xd)] = (str(fixtures.fixture_dir("realshape-dsv4", params=p)),
+                               str(fixtures.fixture_dir("realshape-dsv4-eagle3", params=p)))
+        log(f"fixtures L{layers} {xd}: {Path(paths[(layers, xd)][0]).name}, "
+            f"{Path(paths[(layers, xd)][1]).name} ({time.time() - t0:.0f} s)", fh)
     return paths
 
 
@@ -372,7 +378,7 @@ def drive(state: Path, deadline: float, plan_name: str, rounds: int,
     remaining = [e for e in plan if todo(e)]
     while remaining:
         group = ([remaining[0]] if failures.get(remaining[0].name) else
-                 pack_groups(remaining, weights, 0.94 * total, overhead)[0])
+                 pack_groups(remaining, weights, CAPACITY * total, overhead)[0])
         if deadline - time.time() < 150:
             log(f"{deadline - time.time():.0f} s left: not starting {[e.name for e in group]}",
                 fh)

@@ -1,0 +1,212 @@
+"""The cost model: measured step costs and an acceptance profile in, throughput and speedup
+per k and batch size out, checked against measurement.
+
+Step costs come from a `speclab.gpubench` run (results.jsonl): per pass, the decode time is
+the full pass minus its prefill-only twin, a plain step is that over `max_tokens - 1` steps,
+a speculative step that over the verify rounds per request (`num_drafts / B`). The model,
+with nothing fitted to the speculative points it predicts:
+
+    T_spec(k, B) = T_plain(B (k + 1)) + T_draft(k, B)
+    tok/s(k, B)  = B * AL(k) / T_spec(k, B)          AL(k) = 1 + sum_j p_j (j <= k)
+    speedup      = AL(k) * T_plain(B) / T_spec(k, B)
+
+T_plain(n) is the plain engine's step at batch n (the verify forward of B requests with k + 1
+tokens each runs B (k + 1) rows through the same kernels; linear interpolation between the
+measured batch sizes), T_draft the drafter's GPU time per step measured with CUDA events
+(`speclab.steptiming`), and p_j the unconditional acceptance at position j (a run's counters
+or a draft card's published rates). `validate` puts every measured speculative point beside
+its prediction; `extrapolate` fits T_plain(n, L) = a(n) + b(n) L over the measured layer
+counts and predicts at the production depth.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from speclab import analysis
+
+# DeepSeek-V4-Flash EAGLE3.1 at k = 3 (SGLang, 8xH20; the draft card's own numbers are
+# k = 3 too): unconditional per-position acceptance
+PUBLISHED_EAGLE31 = (0.617, 0.433, 0.294)
+PRODUCTION_LAYERS = 43
+
+
+def acceptance_profile(rates, k: int) -> list[float]:
+    """Per-position unconditional rates for k positions: the given ones, continued past the
+    last by the last conditional rate (p_{j+1} = p_j * p_j / p_{j-1})."""
+    p = [float(x) for x in rates]
+    if not p or any(not 0 <= x <= 1 for x in p) or any(b > a for a, b in zip(p, p[1:])):
+        raise ValueError(f"acceptance rates must be non-increasing values in [0, 1]: {rates}")
+    while len(p) < k:
+        ratio = p[-1] / p[-2] if len(p) > 1 and p[-2] > 0 else p[-1]
+        p.append(p[-1] * ratio)
+    return p[:k]
+
+
+def acceptance_length(rates, k: int) -> float:
+    return 1.0 + sum(acceptance_profile(rates, k)) if k else 1.0
+
+
+# --------------------------------------------------------------------------- measurements
+def load(run_dir: Path) -> pd.DataFrame:
+    """Every pass of a gpubench run (all calls: `results.jsonl` in the folder or below it)."""
+    rows = []
+    for path in sorted(Path(run_dir).rglob("results.jsonl")):
+        rows += [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    if not rows:
+        raise FileNotFoundError(f"no results.jsonl under {run_dir}")
+    return pd.DataFrame(rows)
+
+
+def passes(results: pd.DataFrame, max_tokens: int = 128) -> pd.DataFrame:
+    """Timed passes (round >= 1, op `pass`) with decode time, steps, step time and tok/s.
+    A pass is kept once (the last record of an engine, round and batch size)."""
+    df = results[(results.op == "pass") & (results["round"] >= 1)].copy()
+    df = df.drop_duplicates(["engine", "round", "B"], keep="last")
+    df["decode_s"] = df.t_full_s - df.t_prefill_s
+    drafts = df.counters.map(lambda c: c.get("num_drafts", 0))
+    df["steps"] = np.where(df.k > 0, drafts / df.B, max_tokens - 1)
+    df["step_ms"] = 1e3 * df.decode_s / df.steps
+    df["tok_s"] = df.B * (max_tokens - 1) / df.decode_s
+    df["al"] = np.where(df.k > 0, (max_tokens - 1) / df.steps, 1.0)
+    return df
+
+
+def step_costs(results: pd.DataFrame, max_tokens: int = 128) -> pd.DataFrame:
+    """Per (layers, eager, k, B): step time, tok/s (mean and 95% t-interval over rounds),
+    measured AL and rounds; speedup over the plain engine of the same (layers, eager, B) as
+    the geometric mean of per-round ratios (rounds run interleaved, so round r pairs)."""
+    df = passes(results, max_tokens)
+    keys = ["layers", "eager", "k", "B"]
+    rows = []
+    for key, g in df.groupby(keys):
+        step = analysis.mean_ci(g.step_ms)
+        tput = analysis.mean_ci(g.tok_s)
+        rows.append({**dict(zip(keys, key)), "step_ms": step[0], "step_lo": step[1],
+                     "step_hi": step[2], "tok_s": tput[0], "tok_s_lo": tput[1],
+                     "tok_s_hi": tput[2], "al": g.al.mean(), "rounds": len(g)})
+    out = pd.DataFrame(rows)
+    if out.empty:
+        return out
+    sp = []
+    for _, r in out.iterrows():
+        mine = df[(df.layers == r.layers) & (df.eager == r.eager) & (df.k == r.k) & (df.B == r.B)]
+        base = df[(df.layers == r.layers) & (df.eager == r.eager) & (df.k == 0) & (df.B == r.B)]
+        paired = mine.merge(base, on="round", suffixes=("", "_0"))
+        sp.append(analysis.ratio_ci(paired.tok_s, paired.tok_s_0) if len(paired) else
+                  (np.nan,) * 3)
+    out["speedup"], out["speedup_lo"], out["speedup_hi"] = zip(*sp)
+    return out
+
+
+def draft_ms(results: pd.DataFrame) -> pd.DataFrame:
+    """Drafter GPU time per decode step (median over a split pass's calls whose scheduled
+    tokens are B (k + 1): the verify steps; prefill steps excluded) per (layers, eager, k, B)."""
+    rows = []
+    split = results[results.op == "split"] if "op" in results else results.iloc[:0]
+    for _, r in split.iterrows():
+        calls = [c["ms"] for c in r["calls"] if c["tokens"] == r.B * (r.k + 1)]
+        if calls:
+            rows.append({"layers": r.layers, "eager": r.eager, "k": r.k, "B": r.B,
+                         "draft_ms": float(np.median(calls)), "draft_calls": len(calls)})
+    return pd.DataFrame(rows, columns=["layers", "eager", "k", "B", "draft_ms", "draft_calls"])
+
+
+# --------------------------------------------------------------------------- the model
+def plain_curve(costs: pd.DataFrame, layers: int, eager: bool) -> pd.Series:
+    """Plain step ms by batch size n for one engine configuration, sorted."""
+    c = costs[(costs.layers == layers) & (costs.eager == eager) & (costs.k == 0)]
+    return c.set_index("B").step_ms.sort_index()
+
+
+def interpolate(curve: pd.Series, n: float) -> float:
+    """T_plain(n): linear between the measured batch sizes, NaN outside them."""
+    if curve.empty or not curve.index.min() <= n <= curve.index.max():
+        return float("nan")
+    return float(np.interp(n, curve.index.to_numpy(float), curve.to_numpy(float)))
+
+
+def predict(costs: pd.DataFrame, drafts: pd.DataFrame, rates, ks=range(1, 6),
+            batches=None) -> pd.DataFrame:
+    """Predicted step, tok/s and speedup per (layers, eager, k, B) from the plain curve and
+    the drafter times (module doc), for the acceptance profile `rates`; best k per B is the
+    row with `best` True."""
+    rows = []
+    for (layers, eager), _ in costs.groupby(["layers", "eager"]):
+        curve = plain_curve(costs, layers, eager)
+        d = drafts[(drafts.layers == layers) & (drafts.eager == eager)]
+        for B in batches or sorted(costs[(costs.layers == layers) & (costs.k > 0)].B.unique()):
+            t0 = interpolate(curve, B)
+            for k in ks:
+                dk = d[(d.k == k) & (d.B == B)].draft_ms
+                verify = interpolate(curve, B * (k + 1))
+                step = verify + (float(dk.iloc[0]) if len(dk) else np.nan)
+                al = acceptance_length(rates, k)
+                rows.append({"layers": layers, "eager": eager, "k": k, "B": B, "al": al,
+                             "verify_ms": verify, "draft_ms": step - verify,
+                             "pred_step_ms": step, "pred_tok_s": 1e3 * B * al / step,
+                             "pred_speedup": al * t0 / step})
+    out = pd.DataFrame(rows)
+    if len(out):
+        best = out.groupby(["layers", "eager", "B"]).pred_speedup.transform("max")
+        out["best"] = out.pred_speedup == best
+    return out
+
+
+def validate(results: pd.DataFrame, max_tokens: int = 128) -> pd.DataFrame:
+    """Every measured speculative point beside its prediction from the plain curve, the
+    drafter time and the point's own measured AL (so the check is of the step-cost model):
+    columns step_ms / pred_step_ms, speedup (CI) / pred_speedup, error = pred / measured - 1."""
+    costs = step_costs(results, max_tokens)
+    drafts = draft_ms(results)
+    rows = []
+    for _, r in costs[costs.k > 0].iterrows():
+        p = predict(costs, drafts, _rates_for(r, results), ks=[r.k], batches=[r.B])
+        p = p[(p.layers == r.layers) & (p.eager == r.eager)]
+        if p.empty:
+            continue
+        q = p.iloc[0]
+        rows.append({**r.to_dict(), "pred_step_ms": q.pred_step_ms, "draft_ms": q.draft_ms,
+                     "verify_ms": q.verify_ms, "pred_speedup": q.pred_speedup,
+                     "error": q.pred_speedup / r.speedup - 1})
+    return pd.DataFrame(rows)
+
+
+def _rates_for(row, results: pd.DataFrame) -> list[float]:
+    """The measured per-position acceptance of one engine configuration and batch size."""
+    df = passes(results)
+    g = df[(df.layers == row.layers) & (df.eager == row.eager) & (df.k == row.k)
+           & (df.B == row.B)]
+    drafts = g.counters.map(lambda c: c["num_drafts"]).sum()
+    acc = np.sum([c["accepted_per_pos"] for c in g.counters], axis=0)
+    return [float(a / drafts) for a in acc]
+
+
+def extrapolate(costs: pd.DataFrame, drafts: pd.DataFrame, rates, layers: int =
+                PRODUCTION_LAYERS, eager: bool = False, ks=range(1, 6)) -> dict:
+    """Predicted speedup per (k, B) at `layers` decoder layers: per batch size n, a line
+    T_plain(n, L) = a + b L through the measured layer counts (least squares; needs two),
+    the drafter times of the deepest measured run (the draft does not grow with the target).
+    Returns {"fit": rows of (n, a, b), "prediction": rows like `predict`}."""
+    plain = costs[(costs.k == 0) & (costs.eager == eager)]
+    Ls = sorted(plain.layers.unique())
+    if len(Ls) < 2:
+        raise ValueError(f"extrapolation needs plain steps at two layer counts; have {Ls}")
+    fit, synth = [], []
+    for n, g in plain.groupby("B"):
+        if g.layers.nunique() < 2:
+            continue
+        b, a = np.polyfit(g.layers.astype(float), g.step_ms, 1)
+        fit.append({"n": int(n), "a_ms": a, "b_ms_per_layer": b})
+        synth.append({"layers": layers, "eager": eager, "k": 0, "B": int(n),
+                      "step_ms": a + b * layers})
+    deepest = max(drafts[drafts.eager == eager].layers, default=Ls[-1])
+    d = drafts[(drafts.layers == deepest) & (drafts.eager == eager)].assign(layers=layers)
+    spec_B = sorted(costs[costs.k > 0].B.unique())
+    pred = predict(pd.DataFrame(synth), d, rates, ks=ks, batches=spec_B)
+    return {"fit": pd.DataFrame(fit), "prediction": pred, "layers_measured": Ls,
+            "drafts_from_layers": int(deepest)}

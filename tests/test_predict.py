@@ -1,0 +1,106 @@
+"""The cost model on synthetic gpubench results whose step costs follow a known law:
+predictions recover measured speedups; a model that drops the drafter's time or prices the
+verify step as one plain step misses them (the controls)."""
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from speclab import predict
+
+N = 128
+
+
+def t_plain(n, layers=4):
+    return 0.3 * layers + 0.02 * n + 0.0004 * n * n  # ms
+
+
+def t_draft(k, B):
+    return 0.25 + 0.15 * k + 0.01 * B * k
+
+
+def rows(layers=(4,), rounds=5, rates=(0.7, 0.5, 0.35, 0.25, 0.18), seed=0):
+    """Passes as gpubench writes them (prefill 10 ms), 1% noise on decode times."""
+    g = np.random.default_rng(seed)
+    out = []
+    for L in layers:
+        plain_B = sorted({b * (k + 1) for b in (1, 4, 16) for k in range(6)})
+        for r in range(rounds + 1):
+            for B in plain_B:
+                dec = (N - 1) * t_plain(B, L) / 1e3 * g.normal(1, 0.01)
+                out.append(dict(engine=f"L{L}-k0", op="pass", layers=L, k=0, eager=False,
+                                round=r, B=B, t_prefill_s=0.01, t_full_s=0.01 + dec,
+                                counters={"num_drafts": 0}))
+            for k in range(1, 6):
+                for B in (1, 4, 16):
+                    al = 1 + sum(rates[:k])
+                    steps = (N - 1) / al
+                    step = t_plain(B * (k + 1), L) + t_draft(k, B)
+                    dec = steps * step / 1e3 * g.normal(1, 0.01)
+                    acc = [int(round(B * steps * p)) for p in rates[:k]]
+                    out.append(dict(engine=f"L{L}-k{k}", op="pass", layers=L, k=k,
+                                    eager=False, round=r, B=B, t_prefill_s=0.01,
+                                    t_full_s=0.01 + dec,
+                                    counters={"num_drafts": B * steps, "accepted_per_pos": acc}))
+        for k in range(1, 6):
+            for B in (1, 4, 16):
+                calls = [{"tokens": B * (k + 1), "reqs": B, "ms": t_draft(k, B)}] * 20 + \
+                        [{"tokens": B * 256, "reqs": B, "ms": 9.0}]  # a prefill call: ignored
+                out.append(dict(engine=f"L{L}-k{k}", op="split", layers=L, k=k, eager=False,
+                                round=0, B=B, calls=calls, counters={}))
+    return pd.DataFrame(out)
+
+
+def test_step_costs_and_speedup_ci():
+    c = predict.step_costs(rows())
+    r = c[(c.k == 3) & (c.B == 4)].iloc[0]
+    assert r.step_ms == pytest.approx(t_plain(16) + t_draft(3, 4), rel=0.02)
+    assert r.rounds == 5 and r.speedup_lo < r.speedup < r.speedup_hi
+    expect = (1 + 0.7 + 0.5 + 0.35) * t_plain(4) / (t_plain(16) + t_draft(3, 4))
+    assert r.speedup == pytest.approx(expect, rel=0.02)
+
+
+def test_draft_times_use_verify_steps_only():
+    d = predict.draft_ms(rows())
+    assert d[(d.k == 2) & (d.B == 16)].draft_ms.iloc[0] == pytest.approx(t_draft(2, 16))
+
+
+def test_validate_recovers_measurement_and_controls_fail():
+    res = rows()
+    v = predict.validate(res)
+    assert len(v) == 15 and v.error.abs().max() < 0.03
+    # control 1: without the drafter's time the predictions miss
+    no_draft = predict.predict(predict.step_costs(res),
+                               predict.draft_ms(res).assign(draft_ms=0.0), (0.7, 0.5, 0.35))
+    m = predict.step_costs(res)
+    k3 = no_draft[(no_draft.k == 3) & (no_draft.B == 1)].pred_speedup.iloc[0]
+    meas = m[(m.k == 3) & (m.B == 1)].speedup.iloc[0]
+    assert k3 / meas - 1 > 0.05
+    # control 2: verify priced as one plain step of B rows (B = 16: 16 rows, not 64)
+    meas16 = m[(m.k == 3) & (m.B == 16)].speedup.iloc[0]
+    wrong = (1 + 0.7 + 0.5 + 0.35) * t_plain(16) / (t_plain(16) + t_draft(3, 16))
+    assert wrong / meas16 - 1 > 0.05
+
+
+def test_best_k_and_profile_continuation():
+    assert predict.acceptance_profile([0.6, 0.3], 4) == pytest.approx([0.6, 0.3, 0.15, 0.075])
+    assert predict.acceptance_length(predict.PUBLISHED_EAGLE31, 3) == pytest.approx(2.344)
+    with pytest.raises(ValueError, match="non-increasing"):
+        predict.acceptance_profile([0.3, 0.6], 2)
+    res = rows()
+    p = predict.predict(predict.step_costs(res), predict.draft_ms(res), predict.PUBLISHED_EAGLE31)
+    assert p.groupby("B").best.sum().eq(1).all()
+
+
+def test_extrapolation_is_linear_in_layers():
+    res = rows(layers=(4, 8), rounds=2)
+    costs, drafts = predict.step_costs(res), predict.draft_ms(res)
+    ex = predict.extrapolate(costs, drafts, predict.PUBLISHED_EAGLE31, layers=43)
+    fit = ex["fit"].set_index("n")
+    assert fit.loc[4].b_ms_per_layer == pytest.approx(0.3, rel=0.05)
+    p = ex["prediction"]
+    row = p[(p.k == 3) & (p.B == 4)].iloc[0]
+    expect = 2.344 * t_plain(4, 43) / (t_plain(16, 43) + t_draft(3, 4))
+    assert row.pred_speedup == pytest.approx(expect, rel=0.05)
+    with pytest.raises(ValueError, match="two layer counts"):
+        predict.extrapolate(predict.step_costs(rows(rounds=2)), drafts, (0.6,))

@@ -104,3 +104,19 @@ def test_extrapolation_is_linear_in_layers():
     assert row.pred_speedup == pytest.approx(expect, rel=0.05)
     with pytest.raises(ValueError, match="two layer counts"):
         predict.extrapolate(predict.step_costs(rows(rounds=2)), drafts, (0.6,))
+
+
+def test_report_writes_tables_figure_and_html(tmp_path):
+    run = tmp_path / "run"
+    (run / "call1").mkdir(parents=True)
+    res = rows(layers=(4, 8), rounds=3)
+    (run / "call1" / "results.jsonl").write_text(res.to_json(orient="records", lines=True))
+    md = predict.report(run).read_text()
+    assert "Predicted vs measured" in md and "43 layers" in md and "largest |error|" in md
+    assert (run / "figures" / "speedup_vs_k.png").exists() and (run / "predict.html").exists()
+
+
+def test_report_refuses_a_run_without_timed_rounds(tmp_path):
+    (tmp_path / "results.jsonl").write_text(rows(rounds=0).to_json(orient="records", lines=True))
+    with pytest.raises(ValueError, match="no timed pass"):
+        predict.report(tmp_path)

@@ -1,4 +1,4 @@
-"""`speclab` command line: run the lab, check profiles, manage the overlay and fixtures,
+"""`speclab` command line: run the lab, check profiles, manage the overlay and fixtures, predict speed,
 parse metrics logs, benchmark the harness."""
 
 from __future__ import annotations
@@ -216,6 +216,20 @@ def cmd_aux_report(a) -> int:
     return 0
 
 
+def cmd_predict(a) -> int:
+    from speclab import predict
+
+    rates = [float(x) for x in a.acceptance.split(",")]
+    try:
+        path = predict.report(Path(a.run_dir), rates, a.layers, Path(a.out) if a.out else None)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"speclab: error: {e}", file=sys.stderr)
+        return 1
+    print(path.read_text())
+    print(f"wrote {path} and {path.with_suffix('.html')}")
+    return 0
+
+
 def cmd_fixtures(a) -> int:
     from speclab import fixtures, progress
 
@@ -342,6 +356,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--param", action="append", default=[], metavar="FIXTURE.KEY=VALUE",
                    help="a build parameter (YAML value), e.g. realshape-dsv4.num_layers=8")
     p.set_defaults(fn=cmd_fixtures)
+
+    p = sub.add_parser("predict", help="speedup per k and batch size from measured step "
+                       "costs (a gpubench run): measured, predicted, extrapolated")
+    p.add_argument("run_dir")
+    p.add_argument("--acceptance", default="0.617,0.433,0.294",
+                   help="per-position unconditional acceptance (default: published EAGLE3.1)")
+    p.add_argument("--layers", type=int, default=43, help="target depth to extrapolate to")
+    p.add_argument("--out", help="output folder (default: the run folder)")
+    p.set_defaults(fn=cmd_predict)
 
     p = sub.add_parser("aux-report", help="render a folder of GPU aux checks as report.html")
     p.add_argument("run_dir")

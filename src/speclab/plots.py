@@ -310,3 +310,27 @@ def detection_power(pw: pd.DataFrame, near_tie: float, floor: float,
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     return fig
+
+
+def speedup_vs_k(measured: pd.DataFrame, predicted: pd.DataFrame | None = None) -> plt.Figure:
+    """Speedup over plain decoding vs k, one panel per (layers, mode), one line per batch
+    size: measured with 95% intervals, predicted (dashed) where given."""
+    if measured.empty:
+        return _no_results("speedup vs k", "no speculative point")
+    panels = list(measured.groupby(["layers", "eager"]))
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.6), squeeze=False)
+    for ax, ((layers, eager), g) in zip(axes[0], panels):
+        for i, (B, gb) in enumerate(g.groupby("B")):
+            gb = gb.sort_values("k")
+            err = np.vstack([gb.speedup - gb.speedup_lo, gb.speedup_hi - gb.speedup])
+            line = ax.errorbar(gb.k, gb.speedup, yerr=np.nan_to_num(err), marker="o",
+                               capsize=3, label=f"B={B}")
+            if predicted is not None and len(predicted):
+                p = predicted[(predicted.layers == layers) & (predicted.eager == eager)
+                              & (predicted.B == B)].sort_values("k")
+                ax.plot(p.k, p.pred_speedup, ls="--", color=line[0].get_color())
+        ax.axhline(1, color="grey", lw=0.8)
+        ax.set(title=f"{layers} layers, {'eager' if eager else 'CUDA graphs'}", xlabel="k",
+               ylabel="speedup over plain")
+        ax.legend(fontsize=8)
+    return fig

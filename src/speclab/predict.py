@@ -210,3 +210,83 @@ def extrapolate(costs: pd.DataFrame, drafts: pd.DataFrame, rates, layers: int =
     pred = predict(pd.DataFrame(synth), d, rates, ks=ks, batches=spec_B)
     return {"fit": pd.DataFrame(fit), "prediction": pred, "layers_measured": Ls,
             "drafts_from_layers": int(deepest)}
+
+
+# --------------------------------------------------------------------------- report
+def _md(df: pd.DataFrame, cols: list[str]) -> str:
+    """A markdown table of `cols` (floats to 4 significant digits, NaN as n/a)."""
+    cols = [c for c in cols if c in df]
+    if df.empty:
+        return "(none)"
+
+    def cell(v) -> str:
+        if isinstance(v, (float, np.floating)):
+            return "n/a" if np.isnan(v) else f"{v:.4g}"
+        return str(v)
+
+    rows = [" | ".join(cell(v) for v in r) for r in df[cols].itertuples(index=False)]
+    return "\n".join([" | ".join(cols), " | ".join("---" for _ in cols), *rows])
+
+
+def report(run_dir: Path, rates=PUBLISHED_EAGLE31, layers: int = PRODUCTION_LAYERS,
+           out_dir: Path | None = None) -> Path:
+    """`predict.md` and `predict.html` (+ `speedup_vs_k` figure) for a gpubench run folder:
+    measured speedup vs k per batch size with CIs, predicted beside measured with the largest
+    error, the best k, and the `layers`-layer prediction at acceptance `rates` with its fit.
+    Raises ValueError when the run has no timed round."""
+    import html
+
+    import mistune
+
+    from speclab import plots
+
+    run_dir = Path(run_dir)
+    out_dir = Path(out_dir or run_dir)
+    res = load(run_dir)
+    costs = step_costs(res)
+    if costs.empty:
+        raise ValueError(f"{run_dir}: no timed pass (round >= 1) yet; round 0 is the warm-up")
+    drafts = draft_ms(res)
+    val = validate(res)
+    spec = costs[costs.k > 0]
+    lines = [f"# Speed at DeepSeek-V4-Flash's real shapes: {run_dir.name}", "",
+             "Decode throughput (tokens after the first, per second) and speedup over plain "
+             "decoding at the same batch size, mean and 95% interval over timed rounds "
+             "(speedup: geometric mean of per-round ratios, rounds interleaved over k).", "",
+             _md(spec.sort_values(["layers", "eager", "B", "k"]),
+                 ["layers", "eager", "B", "k", "al", "step_ms", "tok_s", "tok_s_lo", "tok_s_hi",
+                  "speedup", "speedup_lo", "speedup_hi", "rounds"]), ""]
+    best = spec.loc[spec.groupby(["layers", "eager", "B"]).speedup.idxmax()] if len(spec) else spec
+    lines += ["## Best k (measured)", "", _md(best, ["layers", "eager", "B", "k", "speedup",
+                                                    "speedup_lo", "speedup_hi"]), ""]
+    if len(val):
+        worst = val.error.abs().max()
+        lines += ["## Predicted vs measured", "",
+                  "Prediction from the plain step at B(k+1) rows, the drafter's measured time "
+                  f"and the point's measured acceptance; largest |error| {worst:.1%}.", "",
+                  _md(val, ["layers", "eager", "B", "k", "step_ms", "pred_step_ms", "verify_ms",
+                            "draft_ms", "speedup", "pred_speedup", "error"]), ""]
+    try:
+        ex = extrapolate(costs, drafts, rates, layers)
+        lines += [f"## {layers} layers at acceptance {list(rates)}", "",
+                  f"Plain step per batch size n fitted as a + b·L over layers "
+                  f"{ex['layers_measured']}; drafter times from the {ex['drafts_from_layers']}-"
+                  "layer run. One GPU, TP 1; TP 4/8 + EP adds all-to-all per MoE layer and "
+                  "divides the experts per GPU, which no run here covers.", "",
+                  _md(ex["fit"], ["n", "a_ms", "b_ms_per_layer"]), "",
+                  _md(ex["prediction"], ["B", "k", "al", "verify_ms", "draft_ms",
+                                         "pred_step_ms", "pred_tok_s", "pred_speedup", "best"]),
+                  ""]
+    except ValueError as e:
+        lines += [f"## {layers} layers", "", f"Not extrapolated: {e}.", ""]
+    md = "\n".join(lines)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "predict.md").write_text(md)
+    plots.save(plots.speedup_vs_k(spec, val), out_dir / "figures", "speedup_vs_k",
+               caption=f"{run_dir.name}: measured (95% CI) and predicted speedup")
+    (out_dir / "predict.html").write_text(
+        "<!doctype html><meta charset='utf-8'><title>" + html.escape(run_dir.name) +
+        "</title><style>body{font-family:sans-serif;max-width:75em;margin:auto}table"
+        "{border-collapse:collapse}td,th{border:1px solid #ccc;padding:2px 6px}</style>"
+        + mistune.html(md) + "<img src='figures/speedup_vs_k.png' alt='speedup vs k'>")
+    return out_dir / "predict.md"

@@ -28,26 +28,26 @@ def rows(layers=(4,), rounds=5, rates=(0.7, 0.5, 0.35, 0.25, 0.18), seed=0):
         for r in range(rounds + 1):
             for B in plain_B:
                 dec = (N - 1) * t_plain(B, L) / 1e3 * g.normal(1, 0.01)
-                out.append(dict(engine=f"L{L}-k0", op="pass", layers=L, k=0, eager=False,
-                                round=r, B=B, t_prefill_s=0.01, t_full_s=0.01 + dec,
-                                counters={"num_drafts": 0}))
+                out.append({"engine": f"L{L}-k0", "op": "pass", "layers": L, "k": 0, "eager": False,
+                                "round": r, "B": B, "t_prefill_s": 0.01, "t_full_s": 0.01 + dec,
+                                "counters": {"num_drafts": 0}})
             for k in range(1, 6):
                 for B in (1, 4, 16):
                     al = 1 + sum(rates[:k])
                     steps = (N - 1) / al
                     step = t_plain(B * (k + 1), L) + t_draft(k, B)
                     dec = steps * step / 1e3 * g.normal(1, 0.01)
-                    acc = [int(round(B * steps * p)) for p in rates[:k]]
-                    out.append(dict(engine=f"L{L}-k{k}", op="pass", layers=L, k=k,
-                                    eager=False, round=r, B=B, t_prefill_s=0.01,
-                                    t_full_s=0.01 + dec,
-                                    counters={"num_drafts": B * steps, "accepted_per_pos": acc}))
+                    acc = [round(B * steps * p) for p in rates[:k]]
+                    out.append({"engine": f"L{L}-k{k}", "op": "pass", "layers": L, "k": k,
+                                    "eager": False, "round": r, "B": B, "t_prefill_s": 0.01,
+                                    "t_full_s": 0.01 + dec,
+                                    "counters": {"num_drafts": B * steps, "accepted_per_pos": acc}})
         for k in range(1, 6):
             for B in (1, 4, 16):
                 calls = [{"tokens": B * (k + 1), "reqs": B, "ms": t_draft(k, B)}] * 20 + \
                         [{"tokens": B * 256, "reqs": B, "ms": 9.0}]  # a prefill call: ignored
-                out.append(dict(engine=f"L{L}-k{k}", op="split", layers=L, k=k, eager=False,
-                                round=0, B=B, calls=calls, counters={}))
+                out.append({"engine": f"L{L}-k{k}", "op": "split", "layers": L, "k": k, "eager": False,
+                                "round": 0, "B": B, "calls": calls, "counters": {}})
     return pd.DataFrame(out)
 
 

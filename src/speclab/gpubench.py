@@ -125,11 +125,11 @@ def log_facts(text: str, limit: int = 60) -> list[str]:
 def engine_args(eng: Engine, target: str, draft: str | None, kv_bytes: int,
                 gpu_fraction: float) -> dict:
     """`LLM(**args)` for one engine of the plan."""
-    args = dict(model=target, skip_tokenizer_init=True, kv_cache_dtype="fp8",
-                enforce_eager=eng.eager, max_model_len=2048, max_num_seqs=eng.max_num_seqs,
-                max_num_batched_tokens=4096, enable_prefix_caching=False,
-                disable_log_stats=False, seed=0, gpu_memory_utilization=gpu_fraction,
-                kv_cache_memory_bytes=kv_bytes)
+    args = {"model": target, "skip_tokenizer_init": True, "kv_cache_dtype": "fp8",
+                "enforce_eager": eng.eager, "max_model_len": 2048, "max_num_seqs": eng.max_num_seqs,
+                "max_num_batched_tokens": 4096, "enable_prefix_caching": False,
+                "disable_log_stats": False, "seed": 0, "gpu_memory_utilization": gpu_fraction,
+                "kv_cache_memory_bytes": kv_bytes}
     if not eng.eager:
         # graphs for every verify step of the plan (B x (k + 1) tokens)
         args["compilation_config"] = {"max_cudagraph_capture_size":
@@ -307,7 +307,7 @@ def gpu_memory() -> tuple[float, float]:
     """(total, used) GiB of GPU 0 from nvidia-smi."""
     q = subprocess.run(["nvidia-smi", "--query-gpu=memory.total,memory.used",
                         "--format=csv,noheader,nounits"], capture_output=True, text=True,
-                       timeout=30).stdout.split("\n")[0].split(",")
+                       timeout=30, check=True).stdout.split("\n")[0].split(",")
     return float(q[0]) / 1024, float(q[1]) / 1024
 
 
@@ -357,7 +357,11 @@ def drive(state: Path, deadline: float, plan_name: str, rounds: int,
     """Run the plan's engines (module doc) until done or `deadline`; `paths`: {(layers,
     expert dtype): (target, draft)} instead of building the fixtures."""
     state.mkdir(parents=True, exist_ok=True)
-    fh = open(state / "driver.log", "a")
+    with open(state / "driver.log", "a") as fh:
+        return _drive(state, deadline, plan_name, rounds, paths, fh)
+
+
+def _drive(state: Path, deadline: float, plan_name: str, rounds: int, paths, fh) -> int:
     plan = PLANS[plan_name]()
     results = state / "results.jsonl"
     engines_file = state / "engines.jsonl"

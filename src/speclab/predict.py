@@ -21,6 +21,7 @@ counts and predicts at the production depth.
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -39,7 +40,7 @@ def acceptance_profile(rates, k: int) -> list[float]:
     """Per-position unconditional rates for k positions: the given ones, continued past the
     last by the last conditional rate (p_{j+1} = p_j * p_j / p_{j-1})."""
     p = [float(x) for x in rates]
-    if not p or any(not 0 <= x <= 1 for x in p) or any(b > a for a, b in zip(p, p[1:])):
+    if not p or any(not 0 <= x <= 1 for x in p) or any(b > a for a, b in itertools.pairwise(p)):
         raise ValueError(f"acceptance rates must be non-increasing values in [0, 1]: {rates}")
     while len(p) < k:
         ratio = p[-1] / p[-2] if len(p) > 1 and p[-2] > 0 else p[-1]
@@ -250,9 +251,9 @@ def report(run_dir: Path, rates=PUBLISHED_EAGLE31, layers: int = PRODUCTION_LAYE
     val = validate(res)
     spec = costs[costs.k > 0]
     lines = [f"# Speed at DeepSeek-V4-Flash's real shapes: {run_dir.name}", "",
-             "Decode throughput (tokens after the first, per second) and speedup over plain "
+             ("Decode throughput (tokens after the first, per second) and speedup over plain "
              "decoding at the same batch size, mean and 95% interval over timed rounds "
-             "(speedup: geometric mean of per-round ratios, rounds interleaved over k).", "",
+             "(speedup: geometric mean of per-round ratios, rounds interleaved over k)."), "",
              _md(spec.sort_values(["layers", "eager", "B", "k"]),
                  ["layers", "eager", "B", "k", "al", "step_ms", "tok_s", "tok_s_lo", "tok_s_hi",
                   "speedup", "speedup_lo", "speedup_hi", "rounds"]), ""]
@@ -262,17 +263,17 @@ def report(run_dir: Path, rates=PUBLISHED_EAGLE31, layers: int = PRODUCTION_LAYE
     if len(val):
         worst = val.error.abs().max()
         lines += ["## Predicted vs measured", "",
-                  "Prediction from the plain step at B(k+1) rows, the drafter's measured time "
-                  f"and the point's measured acceptance; largest |error| {worst:.1%}.", "",
+                  ("Prediction from the plain step at B(k+1) rows, the drafter's measured time "
+                  f"and the point's measured acceptance; largest |error| {worst:.1%}."), "",
                   _md(val, ["layers", "eager", "B", "k", "step_ms", "pred_step_ms", "verify_ms",
                             "draft_ms", "speedup", "pred_speedup", "error"]), ""]
     try:
         ex = extrapolate(costs, drafts, rates, layers)
         lines += [f"## {layers} layers at acceptance {list(rates)}", "",
-                  f"Plain step per batch size n fitted as a + b·L over layers "
+                  (f"Plain step per batch size n fitted as a + b·L over layers "
                   f"{ex['layers_measured']}; drafter times from the {ex['drafts_from_layers']}-"
                   "layer run. One GPU, TP 1; TP 4/8 + EP adds all-to-all per MoE layer and "
-                  "divides the experts per GPU, which no run here covers.", "",
+                  "divides the experts per GPU, which no run here covers."), "",
                   _md(ex["fit"], ["n", "a_ms", "b_ms_per_layer"]), "",
                   _md(ex["prediction"], ["B", "k", "al", "verify_ms", "draft_ms",
                                          "pred_step_ms", "pred_tok_s", "pred_speedup", "best"]),

@@ -1,0 +1,137 @@
+"""gpubench's driver and worker on the CPU, with a stand-in vLLM (tests/fakes/vllm: greedy
+outputs follow the fixture's bigram, counters follow realshape.expected_counters): rounds
+interleaved over engines, expectations checked per pass, resume, deadline, group packing;
+and the step-timing plugin's recorder."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from speclab import gpubench as G
+from speclab import steptiming
+
+FAKES = Path(__file__).parent / "fakes"
+
+
+@pytest.fixture()
+def fake_pair(tmp_path, monkeypatch):
+    """A target folder the fake vLLM can serve: config, index and fixture metadata."""
+    t = tmp_path / "target"
+    t.mkdir()
+    (t / "config.json").write_text(json.dumps({"vocab_size": 33000}))
+    (t / "dsv4_fixture.json").write_text(json.dumps({"seed": 0, "params": {"mismatch": 0.3}}))
+    (t / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": 2**30}}))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(FAKES), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setattr(G, "gpu_memory", lambda: (139.8, 0.5))
+    return {(4, "fp4"): (str(t), str(tmp_path / "draft"))}
+
+
+def test_drive_interleaves_checks_and_resumes(tmp_path, fake_pair):
+    state = tmp_path / "state"
+    assert G.drive(state, time.time() + 300, "smoke", 2, paths=fake_pair) == 0
+    rows = [json.loads(x) for x in (state / "results.jsonl").read_text().splitlines()]
+    passes = [r for r in rows if r["op"] == "pass"]
+    # rounds 0..2 of B=1 for both engines, plain's extra B=4 in rounds 0..3, one split
+    assert sorted((r["engine"], r["round"], r["B"]) for r in passes) == sorted(
+        [(e, r, 1) for e in ("L4-k0-graphs", "L4-k3-graphs") for r in range(3)]
+        + [("L4-k0-graphs", r, 4) for r in range(4)])
+    order = [(r["round"], r["engine"]) for r in passes if r["B"] == 1]
+    assert order == sorted(order)  # round r of every engine before round r + 1
+    for r in passes:
+        assert r["outputs_exact"] == r["B"]
+        if r["k"]:
+            assert r["counters"]["accepted_per_pos"] == r["expected"]["accepted_per_pos"]
+    assert [r["op"] for r in rows].count("split") == 1
+    eng = [json.loads(x) for x in (state / "engines.jsonl").read_text().splitlines()]
+    assert {e["engine"] for e in eng} == {"L4-k0-graphs", "L4-k3-graphs"}
+    assert any("MARLIN" in f for e in eng for f in e["log_facts"])
+    assert eng[1]["resolved"]["speculative"] == {"method": "eagle3", "k": 3}
+    n = len(rows)
+    G.drive(state, time.time() + 300, "smoke", 2, paths=fake_pair)  # nothing left to do
+    assert len((state / "results.jsonl").read_text().splitlines()) == n
+
+
+def test_drive_starts_nothing_past_its_deadline(tmp_path, fake_pair):
+    state = tmp_path / "state"
+    G.drive(state, time.time() + 60, "smoke", 2, paths=fake_pair)
+    assert not (state / "results.jsonl").exists()
+    assert "not starting" in (state / "driver.log").read_text()
+
+
+def test_groups_pack_by_memory_and_configuration():
+    plan = G.chunked_plan()
+    groups = G.pack_groups(plan, {4: 17.0, 8: 30.3}, 130.0, 2.5)
+    assert [len(g) for g in groups] == [6, 3, 3, 2]
+    assert all(len({(e.layers, e.eager) for e in g}) == 1 for g in groups)
+    assert G.verify_batches((1, 4), (1, 3)) == (2, 8, 16)
+
+
+def test_engine_args_capture_every_verify_step():
+    e = G.Engine(4, 5, batches=(1, 16))
+    args = G.engine_args(e, "t", "d", G.KV_BYTES, 0.2)
+    assert args["compilation_config"]["max_cudagraph_capture_size"] == 96
+    assert args["speculative_config"]["num_speculative_tokens"] == 5
+    assert "compilation_config" not in G.engine_args(G.Engine(4, 0, eager=True), "t", None,
+                                                     G.KV_BYTES, 0.2)
+
+
+def test_steptiming_records_only_while_active(tmp_path, monkeypatch):
+    import torch
+
+    class Event:  # CPU stand-in for torch.cuda.Event
+        def __init__(self, enable_timing=False):
+            self.t = None
+
+        def record(self):
+            self.t = time.perf_counter()
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, end):
+            return (end.t - self.t) * 1e3
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    calls = []
+
+    def propose(self, scheduler_output):
+        calls.append(scheduler_output)
+        time.sleep(0.002)
+        return "drafts"
+
+    wrapped = steptiming.wrap(propose, steptiming._Recorder(tmp_path))
+    so = type("S", (), {"total_num_scheduled_tokens": 8, "num_scheduled_tokens": {"a": 4,
+                                                                                  "b": 4}})()
+    assert wrapped(None, so) == "drafts" and steptiming.read(tmp_path) == []
+    (tmp_path / steptiming.FLAG).touch()
+    wrapped(None, so)
+    wrapped(None, so)
+    assert steptiming.read(tmp_path) == []  # pending until the flag goes
+    (tmp_path / steptiming.FLAG).unlink()
+    wrapped(None, so)
+    rows = steptiming.read(tmp_path)
+    assert len(rows) == 2 and len(calls) == 4
+    assert all(r["tokens"] == 8 and r["reqs"] == 2 and r["ms"] >= 2 for r in rows)
+
+
+def test_plugin_dist_is_found_by_entry_points(tmp_path):
+    steptiming.write_plugin_dist(tmp_path)
+    code = ("from importlib.metadata import entry_points;"
+            "print([e.value for e in entry_points(group='vllm.general_plugins')])")
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH":
+                         str(tmp_path)}, capture_output=True, text=True, check=True).stdout
+    assert "speclab.steptiming:install" in out
+
+
+def test_log_facts_keep_what_ran():
+    text = ("INFO 12-02 [a.py:1] Using 'MARLIN' Mxfp4 MoE backend\n"
+            "INFO 12-02 [b.py:2] something else\n"
+            "INFO 12-02 [a.py:1] Using 'MARLIN' Mxfp4 MoE backend\n"
+            "INFO [c.py:3] Model loading took 15.45 GiB memory\n")
+    assert G.log_facts(text) == ["Using 'MARLIN' Mxfp4 MoE backend",
+                                 "Model loading took 15.45 GiB memory"]

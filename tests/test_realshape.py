@@ -1,0 +1,144 @@
+"""The real-shape pair: DeepSeek-V4-Flash's published config, MXFP4 expert layout, per-layer
+shards shared between depths, a router that spreads tokens, and an oracle draft whose
+acceptance `expected_counters` knows in advance (built here at reduced widths)."""
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from speclab.fixtures import dsv4_target as T
+from speclab.fixtures import realshape as R
+from speclab.fixtures.eagle3_draft import Eagle3Draft, draft_chains, simulate_greedy_spec_decode
+
+SMALL = {"vocab_size": 2048, "n_routed_experts": 16, "moe_intermediate_size": 256,
+         "num_attention_heads": 16, "q_lora_rank": 256, "o_lora_rank": 256, "o_groups": 4}
+
+
+def test_config_is_the_published_one():
+    c = R.realshape_config(43)
+    assert (c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"],
+            c["head_dim"], c["qk_rope_head_dim"]) == (4096, 64, 1, 512, 64)
+    assert (c["q_lora_rank"], c["o_lora_rank"], c["o_groups"], c["vocab_size"]) == \
+        (1024, 1024, 8, 129280)
+    assert (c["n_routed_experts"], c["num_experts_per_tok"], c["n_shared_experts"],
+            c["moe_intermediate_size"], c["num_hash_layers"]) == (256, 6, 1, 2048, 3)
+    assert c["compress_ratios"][:6] == [0, 0, 4, 128, 4, 128] and len(c["compress_ratios"]) == 43
+    assert (c["expert_dtype"], c["scoring_func"], c["sliding_window"], c["hc_mult"]) == \
+        ("fp4", "sqrtsoftplus", 128, 4)
+    assert (c["index_n_heads"], c["index_head_dim"], c["index_topk"]) == (64, 128, 512)
+    with pytest.raises(ValueError, match="expert_dtype"):
+        R.realshape_config(4, "int4")
+
+
+def test_mxfp4_layout_and_round_trip():
+    names = T.checkpoint_names(R.realshape_config(4))
+    assert names["layers.3.ffn.experts.255.w1.weight"] == ((2048, 2048), "uint8")
+    assert names["layers.3.ffn.experts.255.w1.scale"] == ((2048, 128), "uint8")
+    assert names["layers.3.ffn.experts.0.w2.weight"] == ((4096, 1024), "uint8")
+    assert names["layers.3.ffn.shared_experts.w1.weight"] == ((2048, 4096), "float8_e4m3fn")
+    w = torch.randn(64, 256) * 3
+    q, s = T.mxfp4_quantize(w)
+    d = T.mxfp4_dequantize(q, s)
+    assert q.dtype == torch.uint8 and s.max() < 255  # 0xFF is e8m0 NaN
+    q2, s2 = T.mxfp4_quantize(d)
+    assert torch.equal(T.mxfp4_dequantize(q2, s2), d)  # representable values are fixed points
+    # every value is the nearest e2m1 grid point of its block's scale
+    grid = torch.tensor(T.E2M1_VALUES)
+    scale = torch.exp2(s.float() - 127).repeat_interleave(32, dim=1)
+    err = (w / scale).abs()[..., None].sub(grid).abs().min(-1).values
+    assert torch.allclose((d / scale).abs(), (w / scale).abs(), atol=float(err.max()) + 1e-6)
+    assert torch.equal(T.mxfp4_dequantize(*T.mxfp4_quantize(torch.tensor([[0.5, -1, 6, -6] +
+                                                                            [0.0] * 28]))),
+                       torch.tensor([[0.5, -1, 6, -6] + [0.0] * 28]))
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory, monkeypatch_module):
+    monkeypatch_module.setattr(R, "REAL_CONFIG", {**R.REAL_CONFIG, **SMALL})
+    monkeypatch_module.setattr(R, "DRAFT_VOCAB", 1024)
+    root = tmp_path_factory.mktemp("rs")
+    meta4 = R.build_realshape_dsv4(root / "t4", seed=0, num_layers=4)
+    meta5 = R.build_realshape_dsv4(root / "t5", seed=0, num_layers=5)
+    R.build_realshape_dsv4_eagle3(root / "d4", root / "t4", seed=0, intermediate_size=512)
+    return root, meta4, meta5
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    mp = pytest.MonkeyPatch()
+    yield mp
+    mp.undo()
+
+
+def test_targets_share_layer_shards_and_read_out_their_bigram(pair):
+    root, meta4, meta5 = pair
+    assert meta4["pool"] == meta5["pool"] and meta4["bigram_accuracy"] == 1.0
+    assert meta4["bigram_min_margin"] > 10
+    assert (root / "t4" / "layer-03.safetensors").resolve() == \
+        (root / "t5" / "layer-03.safetensors").resolve()
+    idx = json.loads((root / "t5" / R.INDEX).read_text())
+    assert set(idx["weight_map"]) == set(T.checkpoint_names(
+        json.loads((root / "t5" / "config.json").read_text())))
+    with safe_open(str(root / "t4" / "layer-03.safetensors"), "pt") as f:
+        assert f.get_tensor("layers.3.ffn.experts.0.w2.weight").count_nonzero() == 0  # eps = 0
+        assert f.get_tensor("layers.3.ffn.gate.bias").count_nonzero() == 0
+        assert f.get_tensor("layers.3.ffn.experts.0.w1.weight").dtype == torch.uint8
+
+
+def test_router_spreads_tokens(pair):
+    root, _, _ = pair
+    stats = R.routing_stats(root / "t4", n_tokens=1024)
+    row = stats["layer3"]  # layers 0-2 are hash-routed
+    assert row["experts_hit"] == 16 and row["max_over_mean_load"] < 1.5
+    assert row["distinct_experts_4_tokens"] > 10  # 4 tokens x top-6 of 16 experts
+
+
+def _reference(root):
+    from safetensors.torch import load_file
+
+    d = root / "d4"
+    cfg = json.loads((d / "config.json").read_text())
+    ts = load_file(str(d / "model.safetensors"))
+    d2t = ts.pop("d2t").long()
+    ts.pop("t2d")
+    with safe_open(str(root / "t4" / R.EMBED_SHARD), "pt") as f:
+        emb = f.get_tensor("embed.weight").float()
+
+    class Draft(Eagle3Draft):  # norm_before_residual, as dsv4_rigs.load_draft_reference
+        def _finish(self, attn_out, residual):
+            return super()._finish(attn_out, self.midlayer["hidden_norm"](residual))
+
+    m = Draft(cfg, emb, d2t)
+    m.load_state_dict({k: v.float() for k, v in ts.items()}, strict=False)
+    return m.eval(), cfg
+
+
+def test_oracle_draft_counts_and_expectation_matches(pair):
+    root, _, _ = pair
+    m, cfg = _reference(root)
+    assert (cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["draft_vocab_size"],
+            cfg["fc_norm"], cfg["norm_output"]) == (32, 8, 1024, True, True)
+    succ = R.successors(root / "t4")
+    prompts = R.prompt_ids(3, 12, seed=1, max_tokens=24, k=3)
+    want = R.expected_counters(succ, prompts, 3, 24)
+    got = {"num_drafts": 0, "accepted_per_pos": [0, 0, 0]}
+    with torch.no_grad():
+        for p in prompts:
+            toks = torch.tensor(p + R.greedy(succ, p, 24 + 3 + 8))
+            ch = draft_chains(m, torch.zeros(1, len(toks), 3 * 4096), toks[None], 3)[0]
+            assert torch.equal(ch[:, 0], toks[1:] + 1)  # every draft token: input + 1
+            c = simulate_greedy_spec_decode(ch, toks, len(p), 3, 24)
+            got["num_drafts"] += c["num_drafts"]
+            got["accepted_per_pos"] = [a + b for a, b in zip(got["accepted_per_pos"],
+                                                             c["accepted_per_pos"])]
+    assert got["num_drafts"] == want["num_drafts"]
+    assert got["accepted_per_pos"] == want["accepted_per_pos"]
+    assert 0 < want["accepted_per_pos"][-1] < want["accepted_per_pos"][0] < want["num_drafts"]
+    # control: without o_proj the draft no longer counts
+    m.midlayer["self_attn"]["o_proj"].weight.data.zero_()
+    with torch.no_grad():
+        toks = torch.tensor(prompts[0] + R.greedy(succ, prompts[0], 32))
+        ch = draft_chains(m, torch.zeros(1, len(toks), 3 * 4096), toks[None], 3)[0]
+    assert not torch.equal(ch[:, 0], toks[1:] + 1)

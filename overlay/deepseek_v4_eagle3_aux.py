@@ -1,4 +1,4 @@
-"""EAGLE-3 for DeepSeek-V4 in vLLM 0.21-0.33: the SupportsEagle3 interface, aux states and
+"""EAGLE-3 for DeepSeek-V4 in vLLM 0.21-0.34: the SupportsEagle3 interface, aux states and
 the aux-layer id convention.
 
 Overlay part 1 of 2; ``install()`` also installs part 2 (``eagle3_draft_kv_cache``: the
@@ -17,7 +17,10 @@ module's own classes and decides per feature (``model_plan``):
   refused with the release to use instead.
 * ``id-convention``: wherever the overlay is installed, ``set_aux_hidden_state_layers``
   maps the draft config's ids (what vLLM's model runner passes) to capture-after-layers with
-  ``resolve_aux_convention`` and logs the resolution as one JSON line.
+  ``resolve_aux_convention`` and logs the resolution as one JSON line. Model Runner V2
+  (``eagle3_utils.get_eagle3_aux_layers_from_config``; the only runner from 0.34) reads the
+  ids at the config's top level only and passes vLLM's default layers for a draft that
+  keeps them in ``eagle_config``: the overlay then captures the draft's own ids.
 
 Aux states follow vLLM's semantics: capture after L layers = the full hyper-connection
 residual stream after L decoder layers, reduced over the hc streams by ``capture_aux``.
@@ -39,7 +42,8 @@ MODEL_MODULES = {
     "cpu": "vllm.models.deepseek_v4.cpu.model",
 }
 PLATFORM_PACKAGE = "vllm.models.deepseek_v4"  # vLLM >= 0.22: imports the platform's model
-GPU_MODEL_RUNNER = "vllm.v1.worker.gpu_model_runner"
+GPU_MODEL_RUNNER = "vllm.v1.worker.gpu_model_runner"  # the v1 runner (gone in 0.34)
+MRV2_AUX = "vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils"  # Model Runner V2's aux setup
 MARK = "_dsv4_eagle3_overlay"
 NATIVE_SINCE = {"nvidia": "0.25.0", "amd": "0.26.0", "xpu": "0.26.0", "cpu": "0.30.0"}
 """First release whose platform model supports EAGLE-3 natively (checked against the matrix)."""
@@ -287,19 +291,28 @@ def _draft_hf_config():
     return getattr(draft, "hf_config", None)
 
 
-def capture_layers(layers, num_layers: int | None) -> tuple[int, ...]:
+def capture_layers(layers, num_layers: int | None, default=()) -> tuple[int, ...]:
     """Capture-after-layers for the ids vLLM passes to ``set_aux_hidden_state_layers``.
 
     vLLM's model runner passes the draft config's ids unchanged; they are mapped with
-    ``resolve_aux_convention`` and the resolution is logged as one JSON line. Ids that are
-    not the config's (vLLM's default layers, or a caller of its own) are kept."""
+    ``resolve_aux_convention`` and the resolution is logged as one JSON line. Where the
+    runner passed the model's ``default`` layers because it reads no ids in ``eagle_config``
+    (Model Runner V2) and the draft keeps its ids there, the draft's ids are captured. Other
+    ids that are not the config's (vLLM's default layers, a caller of its own) are kept."""
     import json
 
     ids = tuple(int(i) for i in layers)
     hf = _draft_hf_config()
-    resolved = resolve_aux_convention(None if hf is None else draft_config_dict(hf), num_layers)
+    cfg = None if hf is None else draft_config_dict(hf)
+    resolved = resolve_aux_convention(cfg, num_layers)
     base._info("DeepSeek-V4 EAGLE-3 overlay: aux layers %s", json.dumps(resolved))
-    if resolved["config_ids"] is None or tuple(resolved["config_ids"]) != ids:
+    skipped = (resolved["config_ids"] is not None and ids == tuple(default)
+               and "eagle_aux_hidden_state_layer_ids" not in cfg)
+    if skipped:
+        base._info("DeepSeek-V4 EAGLE-3 overlay: vLLM passed its default aux layers %s (its "
+                   "runner reads no eagle_config ids); the draft config's %s are captured",
+                   ids, resolved["config_ids"])
+    elif resolved["config_ids"] is None or tuple(resolved["config_ids"]) != ids:
         base._info("DeepSeek-V4 EAGLE-3 overlay: aux layer ids %s are not the draft config's "
                    "(%s): captured after %s layers as passed", ids, resolved["config_ids"], ids)
         return ids
@@ -309,7 +322,7 @@ def capture_layers(layers, num_layers: int | None) -> tuple[int, ...]:
 def set_aux_hidden_state_layers(self, layers) -> None:
     """Capture the hc-mean residual stream after the layers the draft's ids mean (1..N)."""
     n = len(self.model.layers)
-    ids = capture_layers(layers, n)
+    ids = capture_layers(layers, n, self.get_eagle3_default_aux_hidden_state_layers())
     if len(set(ids)) != len(ids) or not all(1 <= i <= n for i in ids):
         raise ValueError(
             f"DeepSeek-V4 EAGLE-3 aux layers must be distinct and in 1..{n} (capture after "
@@ -326,7 +339,8 @@ def _set_aux_mapped(orig, self, layers):
     """A native ``set_aux_hidden_state_layers`` fed the capture-after-layers."""
     layers_of_model = getattr(getattr(self, "model", None), "layers", None)
     return orig(self, capture_layers(layers, None if layers_of_model is None
-                                     else len(layers_of_model)))
+                                     else len(layers_of_model),
+                                     self.get_eagle3_default_aux_hidden_state_layers()))
 
 
 # --------------------------------------------------------------------------- the plan
@@ -406,12 +420,29 @@ def model_plan(facts: dict, platform: str) -> dict:
 
 
 def runner_facts(src: base.Source) -> dict:
-    """How vLLM's model runner hands the draft config's aux ids to the target."""
+    """How vLLM's model runner hands the draft config's aux ids to the target: the v1
+    runner where vLLM has it (<= 0.33), else Model Runner V2's ``eagle3_utils``."""
+    import ast
+
     runner = src.node(GPU_MODEL_RUNNER, "GPUModelRunner")
-    getter = src.node(GPU_MODEL_RUNNER, "GPUModelRunner._get_eagle3_aux_layers_from_config")
-    return {"passes_config_ids": getter is not None
-            and base.mentions(getter, "eagle_aux_hidden_state_layer_ids")
-            and "self.model.set_aux_hidden_state_layers" in base.calls(runner)}
+    if runner is not None:
+        name, setter = GPU_MODEL_RUNNER, "self.model.set_aux_hidden_state_layers"
+        getter = src.node(GPU_MODEL_RUNNER, "GPUModelRunner._get_eagle3_aux_layers_from_config")
+    else:
+        name, setter = MRV2_AUX, "eagle3_model.set_aux_hidden_state_layers"
+        getter = src.node(MRV2_AUX, "get_eagle3_aux_layers_from_config")
+        runner = src.node(MRV2_AUX, "set_eagle3_aux_hidden_state_layers")
+    return {
+        "runner": name.removeprefix("vllm."),
+        "passes_config_ids": getter is not None
+        and base.mentions(getter, "eagle_aux_hidden_state_layer_ids")
+        and setter in base.calls(runner),
+        # eagle_config.get("eagle_aux_hidden_state_layer_ids"): MRV2 reads only "layer_ids"
+        "reads_eagle_config_ids": getter is not None and any(
+            isinstance(n, ast.Call) and ast.unparse(n.func).endswith(".get") and n.args
+            and getattr(n.args[0], "value", None) == "eagle_aux_hidden_state_layer_ids"
+            for n in ast.walk(getter)),
+    }
 
 
 def source_version(src: base.Source) -> str | None:
@@ -509,7 +540,8 @@ def probe() -> dict:
     import importlib
 
     errors = {}
-    for name in (*base.KV_MODULES, base.PROPOSER, PLATFORM_PACKAGE, MODEL_MODULES["all"]):
+    for name in (*base.KV_MODULES, base.PROPOSER, base.EAGLE_LOADER, PLATFORM_PACKAGE,
+                 MODEL_MODULES["all"]):
         try:
             if base.module_exists(name):
                 importlib.import_module(name)

@@ -1,4 +1,4 @@
-"""Draft KV cache for an EAGLE-3 draft next to a DeepSeek-V4 target in vLLM 0.21-0.33.
+"""Draft KV cache for an EAGLE-3 draft next to a DeepSeek-V4 target in vLLM 0.21-0.34.
 
 Overlay part 2 of 2 (part 1, ``deepseek_v4_eagle3_aux``, imports this one). ``install()``
 only registers import hooks: nothing from vLLM or torch is imported until vLLM imports the
@@ -14,6 +14,12 @@ in-process, or a wheel / source tree without importing it), never from the versi
   it from the variable (or ``auto``) only when the user left it unset.
 * ``draft-window``: every release gives the draft the target's cache config, hence
   DeepSeek-V4's 128-token sliding window; the same patch gives the draft its own window.
+* Where the draft's config is made: ``SpecDecodeBaseProposer._create_draft_vllm_config``
+  (<= 0.33, wrapped by ``draft-cache-config``); from 0.34 (Model Runner V2 only)
+  ``load_eagle_model`` builds the draft from ``SpeculativeConfig.apply_draft_overrides``, and
+  ``draft-overrides`` wraps that: it fills ``speculative_config.kv_cache_dtype`` when unset
+  (what vLLM's own ``Glm5NextModelConfig`` does, so the draft's attention metadata builders,
+  ``BaseSpeculator.attn_vllm_config``, see the same dtype) and gives the draft its window.
 * ``kv-grouping``: where the DeepSeek-V4 grouping keeps only MLA specs (<= 0.28) it drops the
   draft's ``FullAttentionSpec`` ("Some layers are not assigned to any group."). The draft
   layers join the full-MLA group 0 (``kv-groups``) and are counted once per pool block in
@@ -36,6 +42,7 @@ OVERLAY_VERSION = "2.0.0"
 MODE_ENV = "DSV4_EAGLE3_OVERLAY"
 DTYPE_ENV = "EAGLE3_DRAFT_KV_CACHE_DTYPE"
 PROPOSER = "vllm.v1.spec_decode.llm_base_proposer"
+EAGLE_LOADER = "vllm.v1.worker.gpu.spec_decode.eagle.utils"  # Model Runner V2's EAGLE loader
 SPEC_CONFIG = "vllm.config.speculative"
 KV_UTILS = "vllm.v1.core.kv_cache_utils"
 KV_PLANNING = "vllm.v1.core.kv_cache_planning"  # vLLM >= 0.33 plans the KV cache here
@@ -306,12 +313,23 @@ def mentions(node, name: str) -> bool:
 
 
 # --------------------------------------------------------------------------- draft cache config
+MAKERS = {  # what makes the draft's VllmConfig -> (patch name, module)
+    "SpecDecodeBaseProposer._create_draft_vllm_config": ("draft-cache-config", PROPOSER),
+    "SpeculativeConfig.apply_draft_overrides": ("draft-overrides", SPEC_CONFIG),
+}
+
+
 def draft_facts(src: Source) -> dict:
     """What the plan needs to know about the draft's cache config."""
     make = src.node(PROPOSER, "SpecDecodeBaseProposer._create_draft_vllm_config")
+    maker = "SpecDecodeBaseProposer._create_draft_vllm_config" if make is not None else None
+    if make is None and "speculative_config.apply_draft_overrides" in calls(
+            src.node(EAGLE_LOADER, "load_eagle_model")):
+        maker = "SpeculativeConfig.apply_draft_overrides"
+        make = src.node(SPEC_CONFIG, maker)
     spec = src.node(SPEC_CONFIG, "SpeculativeConfig")
     return {
-        "create_draft_vllm_config": make is not None,
+        "draft_config_maker": maker,
         "speculative_kv_cache_dtype": spec is not None and any(
             getattr(getattr(n, "target", None), "id", None) == "kv_cache_dtype"
             for n in spec.body),
@@ -321,16 +339,21 @@ def draft_facts(src: Source) -> dict:
 
 def draft_plan(facts: dict) -> dict:
     """``draft-kv-dtype`` and ``draft-window``: native | patched | not needed | refused."""
-    target = f"{PROPOSER}.SpecDecodeBaseProposer._create_draft_vllm_config"
-    if not facts["create_draft_vllm_config"]:
-        detail = ("SpecDecodeBaseProposer._create_draft_vllm_config, which the patch wraps, "
-                  "is missing; use vLLM 0.21-0.33")
+    maker = facts["draft_config_maker"]
+    if maker is None:
+        detail = ("neither SpecDecodeBaseProposer._create_draft_vllm_config (<= 0.33) nor a "
+                  f"{EAGLE_LOADER}.load_eagle_model that calls "
+                  "speculative_config.apply_draft_overrides (0.34) makes the draft's config: "
+                  "no patch point; use vLLM 0.21-0.34")
         return dict.fromkeys(("draft-kv-dtype", "draft-window"),
                              plan_entry("refused", {}, detail))
-    patch = {"draft-cache-config": target}
+    name, module = MAKERS[maker]
+    patch = {name: f"{module}.{maker}"}
     if facts["speculative_kv_cache_dtype"]:
+        applied = (" (applied by apply_draft_overrides and BaseSpeculator.attn_vllm_config)"
+                   if name == "draft-overrides" else "")
         dtype = plan_entry("native", patch, (
-            "speculative_config.kv_cache_dtype; left unset, the overlay sets it to "
+            f"speculative_config.kv_cache_dtype{applied}; left unset, the overlay sets it to "
             f"${DTYPE_ENV} or auto (the target's fp8_ds_mla fits no draft attention)"))
     else:
         dtype = plan_entry("patched", patch, (
@@ -341,7 +364,9 @@ def draft_plan(facts: dict) -> dict:
     else:
         window = plan_entry("patched", patch, (
             "the draft would inherit the target's sliding window (128 for DeepSeek-V4); "
-            "it gets the window vLLM gives it as a main model"))
+            "it gets the window vLLM gives it as a main model"
+            + (" (apply_draft_overrides overrides no window)" if name == "draft-overrides"
+               else "")))
     return {"draft-kv-dtype": dtype, "draft-window": window}
 
 
@@ -351,11 +376,12 @@ def plan_entry(action: str, patches: dict, detail: str) -> dict:
     return {"action": action, "patches": dict(patches), "detail": detail}
 
 
-def _applies(proposer) -> bool:
-    """An eagle/eagle3 draft next to a DeepSeek-V4 target (or the dtype variable is set)."""
-    if proposer.method not in ("eagle", "eagle3"):
+def _applies(method: str, target) -> bool:
+    """An eagle/eagle3 draft next to a DeepSeek-V4 target (``target``: its VllmConfig), or
+    the dtype variable is set."""
+    if method not in ("eagle", "eagle3"):
         return False  # MTP drafts are DeepSeek-V4 layers: they must share the target's layout
-    hf = getattr(getattr(proposer.vllm_config, "model_config", None), "hf_config", None)
+    hf = getattr(getattr(target, "model_config", None), "hf_config", None)
     return bool(os.environ.get(DTYPE_ENV, "").strip()) or (
         getattr(hf, "model_type", "") == "deepseek_v4")
 
@@ -371,26 +397,26 @@ def _checked_dtype(dtype: str, source: str) -> str:
     return dtype
 
 
-def _draft_config(orig, proposer):
-    """``_create_draft_vllm_config`` whose result carries the draft's own CacheConfig: the
-    dtype the engine options give (native ``speculative_config.kv_cache_dtype``), else
-    ``$EAGLE3_DRAFT_KV_CACHE_DTYPE`` or ``auto``, and the draft's own sliding window."""
+def _overlay_dtype() -> tuple[str, str]:
+    """(``$EAGLE3_DRAFT_KV_CACHE_DTYPE`` or ``auto``, checked; where it came from)."""
+    env = os.environ.get(DTYPE_ENV, "").strip()
+    return _checked_dtype(env or "auto", DTYPE_ENV), DTYPE_ENV if env else "overlay default"
+
+
+def _native_dtype(native: str) -> tuple[str, str]:
+    """The user's ``speculative_config.kv_cache_dtype``, which beats the variable."""
+    env = os.environ.get(DTYPE_ENV, "").strip()
+    if env:
+        _info("DeepSeek-V4 EAGLE-3 overlay: %s=%s ignored: speculative_config."
+              "kv_cache_dtype=%s is set", DTYPE_ENV, env, native)
+    return native, "speculative_config.kv_cache_dtype"
+
+
+def _own_cache(draft, target, spec, dtype: str, source: str):
+    """``draft`` (the draft's VllmConfig) with its own CacheConfig: ``dtype`` and the
+    sliding window vLLM gives the draft model as a main model; ``target`` is untouched."""
     import copy
 
-    draft = orig(proposer)
-    if not _applies(proposer):
-        return draft
-    spec = proposer.speculative_config
-    env = os.environ.get(DTYPE_ENV, "").strip()
-    native = getattr(spec, "kv_cache_dtype", None) if _native_draft_dtype else None
-    if native is not None:  # vLLM has already applied it (>= 0.26)
-        dtype, source = native, "speculative_config.kv_cache_dtype"
-        if env:
-            _info("DeepSeek-V4 EAGLE-3 overlay: %s=%s ignored: speculative_config."
-                  "kv_cache_dtype=%s is set", DTYPE_ENV, env, native)
-    else:  # what vLLM >= 0.26 does for speculative_config.kv_cache_dtype=dtype
-        dtype = _checked_dtype(env or "auto", DTYPE_ENV)
-        source = DTYPE_ENV if env else "overlay default"
     model = spec.draft_model_config
     cache = copy.copy(draft.cache_config)
     cache.cache_dtype = dtype
@@ -398,18 +424,48 @@ def _draft_config(orig, proposer):
     layer_types = getattr(model.hf_text_config, "layer_types", None)
     cache.sliding_window = model.get_sliding_window() if layer_types is None or all(
         t == "sliding_attention" for t in layer_types) else None
-    if draft is proposer.vllm_config:
+    if draft is target:
         draft = copy.copy(draft)
     object.__setattr__(draft, "cache_config", cache)
     _info("DeepSeek-V4 EAGLE-3 overlay: draft KV cache dtype %s (%s), sliding window %s "
           "(target keeps %s, window %s)", dtype, source, cache.sliding_window,
-          proposer.vllm_config.cache_config.cache_dtype,
-          proposer.vllm_config.cache_config.sliding_window)
+          target.cache_config.cache_dtype, target.cache_config.sliding_window)
     return draft
 
 
-def patch_proposer(module) -> None:
-    """Import hook for ``llm_base_proposer``: the draft's own cache config, as planned."""
+def _draft_config(orig, proposer):
+    """``_create_draft_vllm_config`` whose result carries the draft's own CacheConfig: the
+    dtype the engine options give (native ``speculative_config.kv_cache_dtype``), else
+    ``$EAGLE3_DRAFT_KV_CACHE_DTYPE`` or ``auto``, and the draft's own sliding window."""
+    draft = orig(proposer)
+    if not _applies(proposer.method, proposer.vllm_config):
+        return draft
+    spec = proposer.speculative_config
+    native = getattr(spec, "kv_cache_dtype", None) if _native_draft_dtype else None
+    # native: vLLM has already applied it (>= 0.26); else what >= 0.26 does with the option
+    dtype, source = _native_dtype(native) if native is not None else _overlay_dtype()
+    return _own_cache(draft, proposer.vllm_config, spec, dtype, source)
+
+
+def _draft_overrides(orig, spec, vllm_config):
+    """``SpeculativeConfig.apply_draft_overrides`` (vLLM 0.34: the config ``load_eagle_model``
+    builds the draft with): ``kv_cache_dtype`` filled in when unset, as vLLM's own
+    ``Glm5NextModelConfig`` does, so ``BaseSpeculator.attn_vllm_config`` agrees; then the
+    draft's own sliding window."""
+    if not _applies(spec.method, vllm_config):
+        return orig(spec, vllm_config)
+    if spec.kv_cache_dtype is None:
+        spec.kv_cache_dtype, source = _overlay_dtype()
+    else:
+        _, source = _native_dtype(spec.kv_cache_dtype)
+    return _own_cache(orig(spec, vllm_config), vllm_config, spec, spec.kv_cache_dtype, source)
+
+
+DRAFT_IMPLS = {"draft-cache-config": _draft_config, "draft-overrides": _draft_overrides}
+
+
+def _patch_draft() -> None:
+    """Decide ``draft-kv-dtype``/``draft-window`` from the live classes; apply the plan."""
     global _native_draft_dtype
     import importlib
 
@@ -417,12 +473,26 @@ def patch_proposer(module) -> None:
     facts = draft_facts(Source())
     plan = draft_plan(facts)
     targets = adopt("engine", plan, "draft", facts)
-    if mode() == "off" or "draft-cache-config" not in targets:
+    if mode() == "off" or not targets:
         return
     _native_draft_dtype = plan["draft-kv-dtype"]["action"] == "native"
-    cls = module.SpecDecodeBaseProposer
-    cls._create_draft_vllm_config = _wrap(cls._create_draft_vllm_config, _draft_config)
-    record("draft-cache-config", targets["draft-cache-config"], "applied")
+    for name, target in targets.items():
+        module, cls, attr = target.rsplit(".", 2)
+        owner = getattr(sys.modules[module], cls)
+        setattr(owner, attr, _wrap(getattr(owner, attr), DRAFT_IMPLS[name]))
+        record(name, target, "applied")
+
+
+def patch_proposer(module) -> None:
+    """Import hook for ``llm_base_proposer`` (<= 0.33): the draft's own cache config."""
+    _patch_draft()
+
+
+def patch_eagle_loader(module) -> None:
+    """Import hook for Model Runner V2's EAGLE loader: the draft's own cache config where
+    ``llm_base_proposer`` is gone (0.34); before, that module's hook does it."""
+    if not module_exists(PROPOSER):
+        _patch_draft()
 
 
 def plan_patches(plan: dict) -> dict[str, str]:
@@ -653,5 +723,6 @@ def installed() -> bool:
 def install() -> None:
     """Register the import hooks (idempotent; imports neither torch nor vLLM)."""
     when_imported(PROPOSER, patch_proposer)
+    when_imported(EAGLE_LOADER, patch_eagle_loader)
     for module in KV_MODULES:
         when_imported(module, patch_kv_cache)

@@ -5,7 +5,8 @@ JSON line for test_overlay_vllm.py / test_overlay_matrix.py.
 
 Stand-ins, and why: ``gguf`` (imported by vLLM's config package, absent from the CPU test
 environment) is an empty module; the engine config is a SimpleNamespace with the fields the
-KV-cache planner reads (a real VllmConfig needs a model); ``get_pp_group`` is a stub because
+KV-cache planner reads (a real VllmConfig needs a model), and for ``apply_draft_overrides``
+(0.34) a dataclass with the fields it replaces; ``get_pp_group`` is a stub because
 no distributed group exists here; the draft's hf_config reaches the overlay through a stand-in
 ``get_current_vllm_config_or_none`` (vLLM sets the real one while it loads the model).
 """
@@ -49,8 +50,11 @@ aux.install()
 base = aux.base
 
 import torch
-import vllm.v1.spec_decode.llm_base_proposer as lbp
 from vllm.version import __version__ as VLLM_VERSION
+
+# The draft's config is made in llm_base_proposer (<= 0.33) or, for Model Runner V2 (0.34),
+# in the EAGLE loader, from SpeculativeConfig.apply_draft_overrides.
+importlib.import_module(base.PROPOSER if base.module_exists(base.PROPOSER) else base.EAGLE_LOADER)
 
 KVU = importlib.import_module(base.KV_PLANNING if base.module_exists(base.KV_PLANNING)
                               else base.KV_UTILS)
@@ -75,7 +79,8 @@ EAGLE31 = {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 21, 40]}}
 
 def runner_facts() -> dict:
     try:
-        importlib.import_module(aux.GPU_MODEL_RUNNER)
+        importlib.import_module(aux.GPU_MODEL_RUNNER if base.module_exists(aux.GPU_MODEL_RUNNER)
+                                else aux.MRV2_AUX)
     except Exception as e:  # noqa: BLE001
         return {"error": f"{type(e).__name__}: {e}"}
     return aux.runner_facts(base.Source())
@@ -166,6 +171,10 @@ def convention() -> dict:
         out["first_id_2"] = run({"eagle_aux_hidden_state_layer_ids": [2, 22, 41]}, (2, 22, 41))
         out["config_field"] = run({**EAGLE31, aux.CONVENTION_KEY: "input"}, (1, 21, 40))
         out["vllm_default_ids"] = run({}, (2, 21, 40))
+        # Model Runner V2 reads no eagle_config ids: it passes vLLM's default for EAGLE3.1
+        out["eagle31_runner_default"] = run(EAGLE31, (2, 21, 40))
+        out["top_level_default"] = run({"eagle_aux_hidden_state_layer_ids": [1, 21, 40]},
+                                       (2, 21, 40))
         out["other_ids"] = run(EAGLE31, (3, 4, 5))
         try:
             run({"eagle_aux_hidden_state_layer_ids": [1, 21, 43]}, (1, 21, 43))
@@ -356,23 +365,38 @@ def kv_layout() -> dict:
 
 
 # --------------------------------------------------------------------------- draft cache config
+@dataclasses.dataclass
+class EngineStandIn:
+    """The VllmConfig fields ``apply_draft_overrides`` reads and ``replace``s."""
+
+    model_config: object
+    cache_config: object
+    kernel_config: object = None
+    attention_config: object = None
+
+
 def draft_cache() -> dict:
     from transformers import LlamaConfig
     from vllm.config import CacheConfig, DeviceConfig, VllmConfig
 
+    maker = base.FACTS["draft"]["draft_config_maker"]
+    overrides = maker == "SpeculativeConfig.apply_draft_overrides"
     cache = CacheConfig(cache_dtype="fp8", sliding_window=128, block_size=256)
-    target = VllmConfig(cache_config=cache, device_config=DeviceConfig(device="cpu"))
+    target = None if overrides else VllmConfig(cache_config=cache,
+                                               device_config=DeviceConfig(device="cpu"))
     cache.cache_dtype = "fp8_ds_mla"  # what DeepseekV4MLAAttention.__init__ does
     native = base.FACTS["draft"]["speculative_kv_cache_dtype"]
 
     def proposer(method="eagle3", model_type="deepseek_v4", text_config=None, spec_dtype=None):
         spec = NS(draft_model_config=NS(hf_text_config=text_config or LlamaConfig(),
                                         get_sliding_window=lambda: 64),
-                  moe_backend=None, attention_backend=None)
+                  moe_backend=None, attention_backend=None, method=method)
         if native:
             spec.kv_cache_dtype = spec_dtype
-        return NS(method=method, speculative_config=spec, vllm_config=NS(
-            model_config=NS(hf_config=NS(model_type=model_type)), cache_config=cache))
+        model = NS(hf_config=NS(model_type=model_type))
+        engine = (EngineStandIn(model, cache) if overrides
+                  else NS(model_config=model, cache_config=cache))
+        return NS(method=method, speculative_config=spec, vllm_config=engine)
 
     def stock_make(p):
         """What the stock method returns: a copy sharing cache_config, or (native, with the
@@ -383,17 +407,30 @@ def draft_cache() -> dict:
                 cache, cache_dtype=p.speculative_config.kv_cache_dtype))
         return draft
 
-    def make(p):
-        return base._draft_config(stock_make, p)
+    if overrides:  # vLLM's own (wrapped) method
+        from vllm.config.speculative import SpeculativeConfig
 
-    out = {"wrapped": hasattr(lbp.SpecDecodeBaseProposer._create_draft_vllm_config,
-                              "__wrapped__")}
-    draft = make(proposer())
+        patched = SpeculativeConfig.apply_draft_overrides
+
+        def make(p):
+            return SpeculativeConfig.apply_draft_overrides(p.speculative_config, p.vllm_config)
+    else:
+        patched = importlib.import_module(base.PROPOSER).SpecDecodeBaseProposer.\
+            _create_draft_vllm_config
+
+        def make(p):
+            return base._draft_config(stock_make, p)
+
+    out = {"wrapped": hasattr(patched, "__wrapped__")}
+    dsv4 = proposer()
+    draft = make(dsv4)
     out["dsv4"] = {"dtype": draft.cache_config.cache_dtype,
                    "sliding_window": draft.cache_config.sliding_window,
                    "block_size": draft.cache_config.block_size,
                    "own_object": draft.cache_config is not cache,
                    "target_dtype": cache.cache_dtype, "target_window": cache.sliding_window}
+    if native:  # the option vLLM reads again for the draft's attention metadata builders
+        out["spec_option_after"] = dsv4.speculative_config.kv_cache_dtype
     interleaved = LlamaConfig(layer_types=["sliding_attention", "full_attention"] * 2,
                               num_hidden_layers=4)
     out["interleaved_window"] = make(proposer(text_config=interleaved)).cache_config.sliding_window

@@ -360,6 +360,19 @@ def test_status_of_native_classes(tmp_path):
         "interface": "native", "aux-forward": "native", "id-convention": "patched"}
 
 
+def test_status_warns_when_vllm_is_newer_than_the_matrix(tmp_path):
+    site = tmp_path / "site"
+    site.mkdir()
+    newer = status_in(tmp_path, fake_vllm(tmp_path / "new", "0.35.0", forward=NATIVE_FORWARD,
+                                          native=True), site)
+    assert newer["horizon"] == vllm_matrix.horizon("0.35.0")
+    assert "run tools/vllm_matrix.py 0.35.0" in newer["horizon"]
+    assert f"warning         {newer['horizon']}" in newer["text"]
+    known = status_in(tmp_path, fake_vllm(tmp_path / "known", vllm_matrix.RELEASES[-1],
+                                          forward=NATIVE_FORWARD, native=True), site)
+    assert known["horizon"] is None and "warning" not in known["text"]
+
+
 # --------------------------------------------------------------------------- overlay plan (CLI)
 EAGLE31_DRAFT = {"architectures": ["LlamaForCausalLMEagle3"],
                  "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 21, 40]}}

@@ -1,10 +1,10 @@
-"""The overlay's plan for every vLLM release 0.21-0.33, held against the committed matrix
+"""The overlay's plan for every vLLM release 0.21-0.34, held against the committed matrix
 (``data/vllm_matrix.json``, written by ``tools/vllm_matrix.py`` from the official wheels):
 the plan the overlay decides from each release's facts is the committed one, the markdown
 and README tables are rendered from it, and the plan says what the releases' sources say
 (``../reference`` notes re-checked: native interface from 0.25 on CUDA, draft KV dtype from
-0.26, generic KV grouping from 0.29). No vLLM is imported here; the in-process plan on real
-classes is in test_overlay_vllm.py."""
+0.26, generic KV grouping from 0.29, Model Runner V2 only in 0.34). No vLLM is imported here;
+the in-process plan on real classes is in test_overlay_vllm.py."""
 
 from __future__ import annotations
 
@@ -33,8 +33,9 @@ def released(first: str, last: str | None = None) -> list[str]:
     return [v for v in RELEASES if key(first) <= key(v) <= key(last or "9999")]
 
 
-def test_the_matrix_covers_every_release_from_0_21_to_0_33():
+def test_the_matrix_covers_every_release_from_0_21_to_0_34():
     assert list(RELEASES) == list(vllm_matrix.RELEASES)
+    assert {"0.27.1", "0.34.0"} <= set(RELEASES) and vllm_matrix.RELEASES[-1] == "0.34.0"
     assert MATRIX["overlay_version"] == aux.base.OVERLAY_VERSION
     for version, rel in RELEASES.items():
         assert rel["facts"]["vllm"] == version and rel["wheel"].startswith(f"vllm-{version}-")
@@ -90,6 +91,33 @@ def test_draft_kv_dtype_is_native_from_0_26_and_the_window_always_patched():
         assert actions(version, "engine")["draft-window"] == "patched"
 
 
+def test_0_34_patches_the_config_model_runner_v2_builds_the_draft_with():
+    """0.34 has no llm_base_proposer: load_eagle_model builds the draft from
+    SpeculativeConfig.apply_draft_overrides, which the overlay wraps; no release refuses."""
+    for version, rel in RELEASES.items():
+        engine = rel["plan"]["engine"]
+        names = {n for f in ("draft-kv-dtype", "draft-window") for n in engine[f]["patches"]}
+        maker = rel["facts"]["draft"]["draft_config_maker"]
+        if version == "0.34.0":
+            assert maker == "SpeculativeConfig.apply_draft_overrides"
+            assert names == {"draft-overrides"}
+            assert engine["draft-window"]["patches"]["draft-overrides"] == (
+                "vllm.config.speculative.SpeculativeConfig.apply_draft_overrides")
+        else:
+            assert maker == "SpecDecodeBaseProposer._create_draft_vllm_config"
+            assert names == {"draft-cache-config"}
+    plan = RELEASES["0.34.0"]["plan"]
+    assert {e["action"] for scope in (*plan["platforms"].values(), plan["engine"])
+            for e in scope.values()} == {"native", "patched", "not needed"}
+
+
+def test_no_patch_point_for_the_draft_config_is_refused():
+    facts = dict(RELEASES["0.34.0"]["facts"]["draft"], draft_config_maker=None)
+    plan = aux.base.draft_plan(facts)
+    assert {e["action"] for e in plan.values()} == {"refused"}
+    assert all(e["patches"] == {} and "no patch point" in e["detail"] for e in plan.values())
+
+
 def test_kv_grouping_patches_follow_the_planner_vllm_really_calls():
     for version in RELEASES:
         entry = RELEASES[version]["plan"]["engine"]["kv-grouping"]
@@ -109,8 +137,14 @@ def test_kv_grouping_patches_follow_the_planner_vllm_really_calls():
 
 
 def test_every_release_passes_the_draft_config_ids_through():
-    """The id mapping relies on vLLM's runner handing over the config's ids unchanged."""
+    """The id mapping relies on vLLM's runner handing over the config's ids unchanged; 0.21's
+    v1 runner and 0.34's Model Runner V2 read them at the config's top level only."""
     assert all(rel["facts"]["runner"]["passes_config_ids"] for rel in RELEASES.values())
+    top_level_only = {v for v, rel in RELEASES.items()
+                      if not rel["facts"]["runner"]["reads_eagle_config_ids"]}
+    assert top_level_only == {"0.21.0", "0.34.0"}
+    assert RELEASES["0.34.0"]["facts"]["runner"]["runner"] == (
+        "v1.worker.gpu.spec_decode.eagle.eagle3_utils")
 
 
 def test_a_changed_kv_function_is_refused_not_patched():
@@ -127,3 +161,21 @@ def test_the_installed_vllm_reads_as_its_release():
     facts, plan = overlay.plan_for_tree(tree.parent)
     assert facts == RELEASES[facts["vllm"]]["facts"]
     assert plan == RELEASES[facts["vllm"]]["plan"]
+
+
+def test_releases_are_discovered_from_the_package_index(monkeypatch):
+    listing = ("vllm (0.35.0)\nAvailable versions: 0.35.0, 0.35.0rc1, 0.34.0, 0.27.1, 0.21.0, "
+               "0.20.2, 0.10.1.1\n")
+    monkeypatch.setattr(vllm_matrix.subprocess, "run", lambda cmd, **kw: type(
+        "Done", (), {"returncode": 0, "stdout": listing, "stderr": ""})())
+    assert vllm_matrix.index_releases() == ["0.21.0", "0.27.1", "0.34.0", "0.35.0"]
+
+
+def test_a_release_newer_than_the_matrix_is_named_with_the_command_to_read_it():
+    newest = vllm_matrix.RELEASES[-1]
+    assert vllm_matrix.horizon(newest) is None and vllm_matrix.horizon("0.27.1") is None
+    assert vllm_matrix.horizon(None) is None
+    assert vllm_matrix.horizon("0.35.0") == (
+        f"vLLM 0.35.0 is newer than {newest}, the newest release in the overlay's matrix: not "
+        "read by this overlay version: run tools/vllm_matrix.py 0.35.0")
+    assert "run tools/vllm_matrix.py 0.34.1" in vllm_matrix.horizon("0.34.1+cu130")

@@ -28,6 +28,7 @@ RELEASES = {
     "0.27.0": "dense overlapping packed layout (_get_packed_kv_cache_layout)",
     "0.29.0": "generic KV grouping",
     "0.33.0": "KV planning moved to kv_cache_planning",
+    "0.34.0": "Model Runner V2 only: the draft's config from apply_draft_overrides",
 }
 MATRIX = vllm_matrix.load()["releases"]
 DRAFT = "model.layers.4.self_attn.attn"
@@ -118,6 +119,8 @@ def test_the_id_convention_on_the_real_classes(probe):
         "first_id_2": [2, 22, 41],         # input ids pass through
         "config_field": [1, 21, 40],       # eagle_aux_layer_convention: input
         "vllm_default_ids": [2, 21, 40],   # no ids in the config: vLLM's own default
+        "eagle31_runner_default": [2, 22, 41],  # runner read no eagle_config ids: the draft's
+        "top_level_default": [2, 21, 40],  # a top-level-reading runner would have passed them
         "other_ids": [3, 4, 5],            # not the config's ids: left as passed
     }
     assert "[44] not in 1..43" in conv["out_of_range"]
@@ -168,8 +171,13 @@ def test_the_draft_gets_its_own_cache_config(probe):
     assert dc["mtp_shares"] and dc["llama_target_shares"]
     assert dc["env_fp8"] == dc["env_fp8_llama_target"] == "fp8"
     assert "EAGLE3_DRAFT_KV_CACHE_DTYPE='bogus'" in dc["bogus_error"]
-    if probe["release"]["facts"]["draft"]["speculative_kv_cache_dtype"]:
+    draft = probe["release"]["facts"]["draft"]
+    if draft["speculative_kv_cache_dtype"]:
         assert dc["native_option"] == ["fp8", 64]  # vLLM's option kept, the window fixed
         assert dc["env_vs_native"] == "bfloat16"   # the engine option beats the variable
+        # 0.34: the option itself is filled in, for BaseSpeculator.attn_vllm_config too
+        assert dc["spec_option_after"] == (
+            "auto" if draft["draft_config_maker"] == "SpeculativeConfig.apply_draft_overrides"
+            else None)
     else:
         assert "native_option" not in dc

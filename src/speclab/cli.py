@@ -165,7 +165,7 @@ def cmd_sweep(a) -> int:
 
 
 def cmd_profile(a) -> int:
-    from speclab import engine, profiles, sweep
+    from speclab import engine, profiles, sweep, vllm_matrix
 
     if a.action == "list":
         print("\n".join(profiles.available()))
@@ -186,6 +186,8 @@ def cmd_profile(a) -> int:
     problems = profiles.check_env(prof)
     for msg in problems:
         print(f"  not runnable here: {msg}")
+    if warning := vllm_matrix.horizon(profiles.installed_vllm()):
+        print(f"  warning: {warning}")
     return 1 if problems and a.strict else 0
 
 

@@ -180,8 +180,11 @@ def status(site: Path | None = None, probe: bool = False,
            draft_config: Path | None = None) -> dict:
     """vLLM version, the overlay's per-feature plan for it (per platform model module and
     engine-wide, read from vLLM's source), where the ``.pth`` is, what is not patched, the
-    draft KV dtype and aux-id convention in force. Imports no vLLM unless ``probe`` (a
-    subprocess that imports the patched modules and reports what was applied)."""
+    draft KV dtype and aux-id convention in force, and ``horizon``: a warning when vLLM is
+    newer than the matrix. Imports no vLLM unless ``probe`` (a subprocess that imports the
+    patched modules and reports what was applied)."""
+    from speclab import vllm_matrix
+
     tree = _vllm_tree()
     pths = _find_pths(site)
     ours = [p.parent / DIR_NAME for p in pths if p.name == PTH_NAME]
@@ -239,6 +242,7 @@ def status(site: Path | None = None, probe: bool = False,
         "vllm": {"version": version, "path": str(tree) if tree else None},
         "support": support,
         "support_detail": detail,
+        "horizon": vllm_matrix.horizon(version),
         "plan": plan,
         "not_patched": gaps,
         "facts": facts,
@@ -273,6 +277,7 @@ def format_status(st: dict) -> str:
         f"vLLM            {v['version'] or 'not installed'}"
         + (f"  ({v['path']})" if v["path"] else ""),
         f"DeepSeek-V4     EAGLE-3 {st['support']}: {st['support_detail']}",
+        *([f"warning         {st['horizon']}"] if st["horizon"] else []),
         f".pth            {', '.join(st['pth']) or 'not installed'}",
         f"overlay         {st['overlay_version']} in {st['overlay_dir']}  (mode {st['mode']})",
         (f"draft KV dtype  {st['draft_kv_cache_dtype']['value'] or '-'}"

@@ -22,7 +22,10 @@ MATRIX_JSON = REPO / "data" / "vllm_matrix.json"
 MATRIX_MD = REPO / "data" / "vllm_matrix.md"
 README = REPO / "overlay" / "README.md"
 RELEASES = ("0.21.0", "0.22.0", "0.22.1", "0.23.0", "0.24.0", "0.25.0", "0.25.1", "0.26.0",
-            "0.27.0", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0")
+            "0.27.0", "0.27.1", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0",
+            "0.34.0")
+"""Every release the committed matrix was read from; the newest is the overlay's horizon."""
+FIRST = "0.21.0"  # the oldest release the overlay supports
 FEATURES = ("interface", "aux-forward", "id-convention", "draft-kv-dtype", "draft-window",
             "kv-grouping")
 PLATFORMS = ("all", "nvidia", "amd", "xpu", "cpu")
@@ -79,6 +82,28 @@ def _vkey(version: str) -> tuple[int, ...]:
     return tuple(int(x) for x in re.findall(r"\d+", version)[:3])
 
 
+def index_releases(first: str = FIRST) -> list[str]:
+    """Final releases >= ``first`` on the package index (``pip index versions vllm``)."""
+    done = subprocess.run([sys.executable, "-m", "pip", "index", "versions", "vllm"],
+                          check=False, capture_output=True, text=True, timeout=300)
+    found = re.search(r"^Available versions:(.*)$", done.stdout, re.MULTILINE)
+    if done.returncode or not found:
+        raise Unavailable("pip index versions vllm: "
+                          f"{done.stderr.strip()[-300:] or done.returncode}")
+    versions = [v.strip() for v in found.group(1).split(",")]
+    return sorted((v for v in versions if re.fullmatch(r"\d+\.\d+\.\d+", v)
+                   and _vkey(v) >= _vkey(first)), key=_vkey)
+
+
+def horizon(version: str | None) -> str | None:
+    """A warning when ``version`` is newer than the newest release the matrix was read
+    from (the overlay's plan for it rests on facts nobody has reviewed), else None."""
+    if version is None or _vkey(version) <= _vkey(RELEASES[-1]):
+        return None
+    return (f"vLLM {version} is newer than {RELEASES[-1]}, the newest release in the overlay's "
+            f"matrix: not read by this overlay version: run tools/vllm_matrix.py {version}")
+
+
 def build(versions, previous: dict | None = None, delete_wheels: bool = False) -> dict:
     """The matrix for ``versions`` (added to ``previous``'s releases), newest overlay;
     ``delete_wheels`` removes each wheel from the cache once read."""
@@ -128,10 +153,10 @@ def facts_tables(matrix: dict) -> str:
     model_rows = [["vLLM", "platform", "`SupportsEagle3`", "`EagleModelMixin`",
                    "aux capture in forward", "forward written against",
                    "`@support_torch_compile`"]]
-    engine_rows = [["vLLM", "`SpeculativeConfig.kv_cache_dtype`",
+    engine_rows = [["vLLM", "draft config made by", "`SpeculativeConfig.kv_cache_dtype`",
                     "draft config sets its window", "KV grouping (module)",
                     "planner the caller calls (layout)", "`_pool_bytes_per_block` layout",
-                    "runner passes config ids"]]
+                    "runner passes config ids (module)", "runner reads `eagle_config` ids"]]
     for version, rel in matrix["releases"].items():
         f = rel["facts"]
         for platform in (p for p in PLATFORMS if p in f["models"]):
@@ -143,12 +168,14 @@ def facts_tables(matrix: dict) -> str:
                                "; ".join(f"`{c}`" for c in m["aux_capture"]) or "-",
                                f"`{fits}` ({written})" if fits else "-",
                                _yes(m["torch_compile"])])
-        kv, d = f["kv"], f["draft"]
+        kv, d, r = f["kv"], f["draft"], f["runner"]
         engine_rows.append([
-            version, _yes(d["speculative_kv_cache_dtype"]), _yes(d["draft_sets_sliding_window"]),
+            version, f"`{d['draft_config_maker']}`" if d["draft_config_maker"] else "-",
+            _yes(d["speculative_kv_cache_dtype"]), _yes(d["draft_sets_sliding_window"]),
             f"{kv['grouping']} (`{kv['kv_module'].removeprefix('vllm.')}`)",
             f"`{kv['planner']}` ({kv['planner_layout']})" if kv["planner"] else "-",
-            kv["pool_bytes_layout"], _yes(f["runner"]["passes_config_ids"])])
+            kv["pool_bytes_layout"], f"{_yes(r['passes_config_ids'])} (`{r['runner']}`)",
+            _yes(r["reads_eagle_config_ids"])])
     table = []
     for rows in (model_rows, engine_rows):
         rows.insert(1, ["---"] * len(rows[0]))

@@ -129,7 +129,7 @@ class Estimate(BaseModel):
         return "short" if self._need(self.kv_request) <= self.budget else "does not fit"
 
     def line(self) -> str:
-        g = lambda b: "?" if b is None else f"{b / GiB:.1f}"  # noqa: E731
+        g = _gib
         s = (f"weights {g(self.weights)} GiB/GPU + draft {g(self.draft)} + KV at {self.kv_len} "
              f"x {self.kv_seqs} = {g(self.kv)} + headroom {g(self.headroom)} = {g(self.need)} "
              f"of {g(self.budget)} GiB ({self.budget_label}): ")
@@ -143,6 +143,10 @@ class Estimate(BaseModel):
         else:
             s += v
         return s
+
+
+def _gib(b: float | None) -> str:
+    return "?" if b is None else f"{b / GiB:.1f}"
 
 
 # --------------------------------------------------------------------- files
@@ -332,7 +336,7 @@ def estimate(profile, point, gpu: str | None, files: dict[str, Files] | None = N
     length = eng.get("max_model_len") or (tfiles.config or {}).get("max_position_embeddings", 0)
     one: float | None = None
     if weights is not None and draft is not None:  # configs with the shapes in them
-        one = kv_request_bytes(tfiles.config, point.kv_cache_dtype, length, 1 + point.k)
+        one = kv_request_bytes(tfiles.config, point.kv_cache_dtype, length, 1 + point.k, tp)
         if dfiles is not None:
             one += kv_request_bytes(dfiles.config, point.draft_kv_cache_dtype or "auto", length,
                                     tp=tp)
@@ -340,7 +344,7 @@ def estimate(profile, point, gpu: str | None, files: dict[str, Files] | None = N
     util = eng.get("gpu_memory_utilization", 0.9)
     if "kv_cache_memory_bytes" in eng:  # vLLM then reserves exactly this and ignores util
         kv, util = float(eng["kv_cache_memory_bytes"]), 1.0
-        notes.append("KV fixed by kv_cache_memory_bytes")
+        notes.append("KV: kv_cache_memory_bytes")
     if profile.backend == "cpu":
         headroom, budget = 0.0, float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
         label = "host memory"
@@ -351,9 +355,8 @@ def estimate(profile, point, gpu: str | None, files: dict[str, Files] | None = N
         budget = util * GPUS[gpu] if gpu in GPUS else None
         label = f"{util} x {gpu} {GPUS[gpu] / GiB:.1f} GiB" if gpu in GPUS else "GPU unknown"
     return Estimate(point=point.id, weights=weights, draft=draft, kv=kv, kv_request=one,
-                    kv_len=length,
-                    kv_seqs=seqs, headroom=headroom, budget=budget, budget_label=label,
-                    notes=notes)
+                    kv_len=length, kv_seqs=seqs, headroom=headroom, budget=budget,
+                    budget_label=label, notes=notes)
 
 
 def local_gpu() -> str | None:
@@ -364,7 +367,7 @@ def local_gpu() -> str | None:
     if not shutil.which("nvidia-smi"):
         return None
     out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
-                         capture_output=True, text=True).stdout
+                         check=False, capture_output=True, text=True).stdout
     return gpu_named(out)
 
 

@@ -71,13 +71,14 @@ PUBLISHED: dict[str, dict] = {
         "n_routed_experts": 256, "num_experts_per_tok": 6, "n_shared_experts": 1,
         "moe_intermediate_size": 2048, "num_hash_layers": 3, "hc_mult": 4,
         "expert_dtype": "fp4", "tie_word_embeddings": False, "max_position_embeddings": 1048576},
-    # model card: a one-layer Llama EAGLE-3.1 head of about 400M parameters, draft vocab 32k;
-    # its attention shape is assumed (32 query / 8 KV heads of 128).
+    # one Llama layer, 32 query / 8 KV heads of 128, intermediate 14336, draft vocab 32000, no
+    # embed_tokens (as fixtures.realshape states it; ~425M parameters, the card's "about 400M")
     "ManiacLabs/DeepSeek-V4-Flash-EAGLE3.1": {
         "model_type": "llama", "architectures": ["LlamaForCausalLMEagle3"],
-        "torch_dtype": "bfloat16", "num_parameters": 400_000_000, "hidden_size": 4096,
+        "torch_dtype": "bfloat16", "vocab_size": 129280, "draft_vocab_size": 32000,
+        "hidden_size": 4096, "target_hidden_size": 4096, "intermediate_size": 14336,
         "num_hidden_layers": 1, "num_attention_heads": 32, "num_key_value_heads": 8,
-        "head_dim": 128},
+        "head_dim": 128, "eagle_aux_hidden_state_layer_ids": [1, 21, 40]},
 }
 
 _BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "int32": 4, "fp8": 1}
@@ -197,8 +198,6 @@ def weight_bytes(cfg: dict) -> tuple[float, float]:
     if cfg.get("model_type") == "deepseek_v4":
         return _dsv4_weight_bytes(cfg)
     b = _BYTES[cfg.get("torch_dtype", "bfloat16")]
-    if "num_parameters" in cfg:
-        return cfg["num_parameters"] * b, 0.0
     H, I, L = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
     nh, kvh = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
     hd = cfg.get("head_dim", H // nh)
@@ -215,18 +214,17 @@ def weight_bytes(cfg: dict) -> tuple[float, float]:
 
 
 def _dsv4_weight_bytes(cfg: dict) -> tuple[float, float]:
-    from speclab.fixtures.dsv4_target import FP8_BLOCK, tensor_specs
+    from speclab.fixtures.dsv4_target import FP8_BLOCK, MXFP4_BLOCK, tensor_specs
 
     sharded = kept = 0.0
-    fp4 = cfg.get("expert_dtype") == "fp4"
     for s in tensor_specs(cfg):
         n = math.prod(s.shape)
-        if s.dtype != "fp8":
-            b = n * _BYTES[s.dtype]
-        elif fp4 and ".ffn.experts." in s.name:
-            b = n / 2 + n / 32
-        else:
+        if s.dtype == "fp4":
+            b = n / 2 + n / MXFP4_BLOCK
+        elif s.dtype == "fp8":
             b = n + math.ceil(s.shape[0] / FP8_BLOCK) * math.ceil(s.shape[1] / FP8_BLOCK) * 4
+        else:
+            b = n * _BYTES[s.dtype]
         if _SHARDED.search(s.name):
             sharded += b
         else:

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from speclab import cli, memory, profiles, sweep
-from speclab.fixtures import dsv4_rigs, dsv4_target
+from speclab.fixtures import dsv4_rigs, dsv4_target, realshape
 
 V4 = memory.PUBLISHED["deepseek-ai/DeepSeek-V4-Flash"]
 
@@ -36,16 +36,26 @@ def profile(target: str, tp: int = 1, **engine) -> profiles.Profile:
 # "Model loading took" 15.45 GiB at 4 layers and 42.12 GiB at 12.
 @pytest.mark.parametrize("layers,measured", [(4, 15.45), (12, 42.12)])
 def test_real_shape_weights_within_5_percent_of_vllm(layers, measured):
-    est = loaded_gib({**V4, "num_hidden_layers": layers})
+    est = loaded_gib(realshape.realshape_config(layers))
     assert est == pytest.approx(measured, rel=0.05)
 
 
 def test_real_shape_per_layer_and_embeddings_as_measured():
-    base = loaded_gib({**V4, "num_hidden_layers": 0})
-    per_layer = (loaded_gib({**V4, "num_hidden_layers": 12}) - base) / 12
-    fp8 = (loaded_gib({**V4, "num_hidden_layers": 12, "expert_dtype": "fp8"}) - base) / 12
+    four, twelve = (loaded_gib(realshape.realshape_config(n)) for n in (4, 12))
+    per_layer = (twelve - four) / 8
+    fp8 = (loaded_gib(realshape.realshape_config(12, "fp8")) -
+           loaded_gib(realshape.realshape_config(4, "fp8"))) / 8
+    base = loaded_gib({**V4, "num_hidden_layers": 0}) - memory.DSV4_LOAD_BUFFERS / memory.GiB
     assert per_layer == pytest.approx(3.33, rel=0.05) and fp8 == pytest.approx(6.2, rel=0.05)
-    assert base - memory.DSV4_LOAD_BUFFERS / memory.GiB == pytest.approx(1.97, rel=0.05)
+    assert base == pytest.approx(1.97, rel=0.05)
+
+
+def test_published_shapes_are_the_realshape_fixtures_at_43_layers():
+    cfg = realshape.realshape_config(43)
+    assert memory.weight_bytes(V4) == pytest.approx(memory.weight_bytes(cfg), rel=1e-6)
+    draft = memory.PUBLISHED["ManiacLabs/DeepSeek-V4-Flash-EAGLE3.1"]
+    assert sum(memory.weight_bytes(draft)) == pytest.approx(
+        sum(memory.weight_bytes(realshape.draft_config(cfg))), rel=1e-3)
 
 
 def test_tiny_dial_target_and_draft_within_5_percent_of_vllm():

@@ -18,7 +18,8 @@ Per point, per GPU (bytes; printed in GiB):
   memory (`NON_TORCH`) + CUDA graphs (`CUDA_GRAPHS`, none under enforce_eager), as vLLM 0.26
   subtracts them before sizing the KV cache (`vllm/v1/worker/gpu_worker.py`).
 
-Fits when the sum is at most gpu_memory_utilization x the GPU's memory (`GPUS`).
+Against gpu_memory_utilization x the GPU's memory (`GPUS`), `Estimate.verdict`: fits; short
+(fewer than max_num_seqs full-length requests at once); does not fit (vLLM cannot start).
 """
 
 from __future__ import annotations
@@ -58,8 +59,8 @@ DS_MLA_ALIGN = 576        # pages padded to a multiple of 576 B (512 B for other
 DSV4_BLOCK = 256          # main-cache block (FlashMLA sparse); stores block // ratio rows
 SWA_BLOCK = 64            # DeepseekV4SWACache.block_size (sparse_swa.py)
 
-# The production refs, for a machine without their files: the published shapes (model
-# cards / config as quoted by the DeepSpec research notes), not a copy of the files.
+# The production refs, for a machine without their files: their published shapes (those of
+# fixtures.realshape at 43 layers, which tests check), not a copy of the files.
 _V4_RATIOS = [0, 0] + [4, 128] * 20 + [4]
 PUBLISHED: dict[str, dict] = {
     "deepseek-ai/DeepSeek-V4-Flash": {

@@ -32,11 +32,13 @@ def profile(target: str, tp: int = 1, **engine) -> profiles.Profile:
         "engine": {"enforce_eager": True, "max_model_len": 8192, "max_num_seqs": 16, **engine}})
 
 
-# Measured on one H200, vLLM 0.26.0, 2026-12-02, DeepSeek-V4-Flash's shapes with MXFP4 experts:
-# "Model loading took" 15.45 GiB at 4 layers and 42.12 GiB at 12.
-@pytest.mark.parametrize("layers,measured", [(4, 15.45), (12, 42.12)])
-def test_real_shape_weights_within_5_percent_of_vllm(layers, measured):
-    est = loaded_gib(realshape.realshape_config(layers))
+# Measured on one H200, vLLM 0.26.0, 2026-12-02 (the real-shape probe), DeepSeek-V4-Flash's
+# shapes: "Model loading took" 15.45 GiB at 4 layers and 42.12 GiB at 12 with MXFP4 experts,
+# 26.7 GiB at 4 layers with FP8 experts.
+@pytest.mark.parametrize("layers,experts,measured", [(4, "fp4", 15.45), (12, "fp4", 42.12),
+                                                     (4, "fp8", 26.7)])
+def test_real_shape_weights_within_5_percent_of_vllm(layers, experts, measured):
+    est = loaded_gib(realshape.realshape_config(layers, experts))
     assert est == pytest.approx(measured, rel=0.05)
 
 

@@ -34,9 +34,11 @@ from pydantic import BaseModel
 
 GiB = 1 << 30
 MiB = 1 << 20
-# Memory a GPU reports (nvidia-smi "MiB"), or the stated memory of a unified-memory box.
+# The memory vLLM multiplies by gpu_memory_utilization (CUDA's total: "Free memory on device
+# (136.84/139.8 GiB)" on the H200, whose nvidia-smi says 143771 MiB); elsewhere nvidia-smi's
+# number, or the stated memory of a unified-memory box.
 GPUS: dict[str, int] = {
-    "H200": 143771 * MiB,   # 141 GB HBM3e
+    "H200": int(139.8 * GiB),  # 141 GB HBM3e
     "H100": 81559 * MiB,    # 80 GB HBM3 (SXM)
     "B200": 183359 * MiB,   # 180 GB usable HBM3e
     "GB10": 121 * 10**9,    # DGX Spark: 121 GB unified (CPU and GPU share it)

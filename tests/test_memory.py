@@ -128,3 +128,15 @@ def test_sweep_refuses_a_point_that_cannot_fit_before_starting_a_worker(tmp_path
     meta, = sweep.run(prof, tmp_path / "run", progress=False)
     assert meta["status"] == "error" and meta["error"].startswith("does not fit in memory: ")
     assert sweep.read_meta(tmp_path / "run", meta["point_id"])["error"] == meta["error"]
+
+
+def test_a_short_kv_cache_is_said_but_not_refused():
+    """v4flash-8xh200 at vLLM's default 1024 sequences: KV for fewer at full length; vLLM
+    starts and runs fewer at once, so the sweep runs the point."""
+    prof = profiles.load("v4flash-8xh200")
+    point = sweep.expand(prof)[0]
+    est, = memory.estimates(prof, [point], "H200")
+    assert est.verdict == "short" and est.kv_seqs == 1024
+    room = int(est.line().split("room for ")[1].split(" of 1024")[0])
+    assert 0 < room < 1024 and est.budget >= est.need - (1024 - room) * est.kv_request
+    assert memory.refusals(prof, [point], "H200") == {}

@@ -165,7 +165,7 @@ def cmd_sweep(a) -> int:
 
 
 def cmd_profile(a) -> int:
-    from speclab import engine, profiles, sweep, vllm_matrix
+    from speclab import engine, memory, profiles, sweep, vllm_matrix
 
     if a.action == "list":
         print("\n".join(profiles.available()))
@@ -183,7 +183,13 @@ def cmd_profile(a) -> int:
         seen.add(key)
         print(f"  {p.id}:\n    LLM(**{json.dumps(args, default=str)})" + (
             f"\n    env {json.dumps(env)}" if env else ""))
-    problems = profiles.check_env(prof)
+    ests = memory.estimates(prof, points, memory.gpu_for(prof, a.gpu))
+    for est in ests:
+        print(f"  memory {est.point}: {est.line()}")
+    for note in dict.fromkeys(n for e in ests for n in e.notes):
+        print(f"  memory from {note}")
+    problems = profiles.check_env(prof) + [f"{e.point}: does not fit in memory" for e in ests
+                                           if e.verdict == "does not fit"]
     for msg in problems:
         print(f"  not runnable here: {msg}")
     if warning := vllm_matrix.horizon(profiles.installed_vllm()):
@@ -298,6 +304,8 @@ def _common(p) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from speclab.memory import GPUS
+
     ap = argparse.ArgumentParser(prog="speclab", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
 
@@ -335,6 +343,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("action", choices=["list", "check"])
     p.add_argument("name", nargs="?", default="tiny-cpu")
     p.add_argument("--strict", action="store_true", help="exit 1 if not runnable on this machine")
+    p.add_argument("--gpu", choices=sorted(GPUS), help="GPU to check memory against "
+                   "(default: this machine's, else the one the profile's name names)")
     p.set_defaults(fn=cmd_profile)
 
     p = sub.add_parser("overlay", help="install/uninstall/status of the DeepSeek-V4 EAGLE-3 "

@@ -33,7 +33,7 @@ from typing import Iterable
 import pandas as pd
 from pydantic import BaseModel, ConfigDict, Field
 
-from speclab import fingerprint, runlock
+from speclab import fingerprint, memory, runlock
 from speclab.convention import Convention
 from speclab.profiles import Layout, Profile
 
@@ -293,6 +293,13 @@ def run(profile: Profile, run_dir: Path, points: Iterable[Point] | None = None, 
             log(f"{prog.PREFIX} sweep {profile.name}: {len(results)} of {len(points)} points "
                 "measured earlier with these settings, kept")
         run = list({p.id: p for p in points if p.id in todo}.values())
+        refused = memory.refusals(profile, run, memory.gpu_for(profile))
+        for point in run:
+            if point.id in refused:
+                log(f"point {point.id} not started: {refused[point.id]}")
+                results[point.id] = error_meta(point, fps[point.id], refused[point.id])
+                write_point(run_dir, point.id, None, results[point.id])
+        run = [p for p in run if p.id not in refused]
         for meta in executors.execute(profile, run_dir, run, log=log if progress else None,
                                       fps=fps):
             if meta["status"] != "ok":
@@ -391,14 +398,17 @@ def run_point(profile: Profile, point: Point, run_dir: Path, fp: dict | None = N
             meta["root_cause"] = root_cause(log_path)  # e.g. from vLLM's engine-core process
             write_point(run_dir, point.id, None, meta)
         return meta
-    meta = {
-        "point_id": point.id, "status": "error", "point": point.model_dump(mode="json"),
-        "error": error or problem or "worker wrote no result",
-        "root_cause": root_cause(log_path), "log_tail": _tail(log_path),
-        "wall_s": time.time() - t0, "fingerprint": fp, "sampling": fp["parts"]["sampling"],
-    }
+    meta = error_meta(point, fp, error or problem or "worker wrote no result",
+                      root_cause=root_cause(log_path), log_tail=_tail(log_path),
+                      wall_s=time.time() - t0)
     write_point(run_dir, point.id, None, meta)
     return meta
+
+
+def error_meta(point: Point, fp: dict, error: str, **extra) -> dict:
+    """Metadata of a point that did not run to the end."""
+    return {"point_id": point.id, "status": "error", "point": point.model_dump(mode="json"),
+            "error": error, **extra, "fingerprint": fp, "sampling": fp["parts"]["sampling"]}
 
 
 def timing_round(profile: Profile, point: Point, run_dir: Path, rnd: int, log=print) -> dict:

@@ -1,0 +1,392 @@
+"""Will a point fit? Memory per GPU for target + draft + KV cache + headroom, from files only.
+
+Per point, per GPU (bytes; printed in GiB):
+
+* weights: the checkpoint's `model.safetensors.index.json` `total_size`, else the sum of its
+  `*.safetensors` files, else the parameter count by dtype from `config.json`
+  (`weight_bytes`); split into what vLLM shards over TP (routed and shared experts, `wq_b`,
+  `wo_a`, `wo_b`, embedding, head: divided by tp; EP places experts over the same tp ranks)
+  and what each rank keeps whole (fused `wq_a`+`wkv`, compressor, indexer, router, norms,
+  hyper-connections): vLLM 0.26.0 `vllm/models/deepseek_v4/attention.py` (`ReplicatedLinear`,
+  `disable_tp=True`), `compressor.py`, `nvidia/model.py`.
+* draft: the same for the EAGLE-3 draft (run at the target's TP).
+* KV: `kv_request_bytes` at `max_model_len` x `max_num_seqs` (vLLM's default max_num_seqs
+  1024 / max_num_batched_tokens 16384 on GPUs of >= 70 GiB, 256 / 8192 below:
+  `vllm/engine/arg_utils.py`); `kv_cache_memory_bytes` when the profile fixes it. MLA with one
+  KV head is not split by TP: every rank holds the whole cache.
+* headroom: peak activation (`ACTIVATION_PER_TOKEN` x max_num_batched_tokens) + non-torch
+  memory (`NON_TORCH`) + CUDA graphs (`CUDA_GRAPHS`, none under enforce_eager), as vLLM 0.26
+  subtracts them before sizing the KV cache (`vllm/v1/worker/gpu_worker.py`).
+
+Against gpu_memory_utilization x the GPU's memory (`GPUS`), `Estimate.verdict`: fits; short
+(fewer than max_num_seqs full-length requests at once); does not fit (vLLM cannot start).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from pathlib import Path
+
+from pydantic import BaseModel
+
+GiB = 1 << 30
+MiB = 1 << 20
+# The memory vLLM multiplies by gpu_memory_utilization (CUDA's total: "Free memory on device
+# (136.84/139.8 GiB)" on the H200, whose nvidia-smi says 143771 MiB); elsewhere nvidia-smi's
+# number, or the stated memory of a unified-memory box.
+GPUS: dict[str, int] = {
+    "H200": int(139.8 * GiB),  # 141 GB HBM3e
+    "H100": 81559 * MiB,    # 80 GB HBM3 (SXM)
+    "B200": 183359 * MiB,   # 180 GB usable HBM3e
+    "GB10": 121 * 10**9,    # DGX Spark: 121 GB unified (CPU and GPU share it)
+}
+# Measured on one H200, vLLM 0.26.0, dial-dsv4 (hidden 4096), enforce_eager (2026-12-01,
+# data/runs/h200-20261201-device/job-logs-v026/cost-026.log: "1.3 GiB for peak activation,
+# 13.42 GiB for non-torch memory" at max_num_batched_tokens 4096); the CUDA-graph pool of the
+# compiled tiny runs was estimated at 0.17 GiB.
+ACTIVATION_PER_TOKEN = 1.3 * GiB / 4096
+NON_TORCH = 13.42 * GiB
+CUDA_GRAPHS = 0.17 * GiB
+# What vLLM 0.26 allocates beside a DeepSeek-V4 target's weights while loading it ("Model
+# loading took" minus the weights: 0.17 GiB at 4 and 12 real-shape layers and for dial-dsv4).
+DSV4_LOAD_BUFFERS = 0.17 * GiB
+
+# DeepSeek-V4's fp8_ds_mla row: 448 B NoPE fp8 + 128 B RoPE bf16 + 8 B scales per token
+# (vLLM 0.26.0 `vllm/v1/kv_cache_interface.py`, MLAAttentionSpec.real_page_size_bytes).
+DS_MLA_ROW = 584
+DS_MLA_ALIGN = 576        # pages padded to a multiple of 576 B (512 B for other layouts)
+DSV4_BLOCK = 256          # main-cache block (FlashMLA sparse); stores block // ratio rows
+SWA_BLOCK = 64            # DeepseekV4SWACache.block_size (sparse_swa.py)
+
+# The production refs, for a machine without their files: their published shapes (those of
+# fixtures.realshape at 43 layers, which tests check), not a copy of the files.
+_V4_RATIOS = [0, 0] + [4, 128] * 20 + [4]
+PUBLISHED: dict[str, dict] = {
+    "deepseek-ai/DeepSeek-V4-Flash": {
+        "model_type": "deepseek_v4", "torch_dtype": "bfloat16", "vocab_size": 129280,
+        "hidden_size": 4096, "num_hidden_layers": 43, "compress_ratios": _V4_RATIOS + [0],
+        "num_attention_heads": 64, "num_key_value_heads": 1, "head_dim": 512,
+        "qk_rope_head_dim": 64, "q_lora_rank": 1024, "o_lora_rank": 1024, "o_groups": 8,
+        "sliding_window": 128, "index_n_heads": 64, "index_head_dim": 128,
+        "n_routed_experts": 256, "num_experts_per_tok": 6, "n_shared_experts": 1,
+        "moe_intermediate_size": 2048, "num_hash_layers": 3, "hc_mult": 4,
+        "expert_dtype": "fp4", "tie_word_embeddings": False, "max_position_embeddings": 1048576},
+    # one Llama layer, 32 query / 8 KV heads of 128, intermediate 14336, draft vocab 32000, no
+    # embed_tokens (as fixtures.realshape states it; ~425M parameters, the card's "about 400M")
+    "ManiacLabs/DeepSeek-V4-Flash-EAGLE3.1": {
+        "model_type": "llama", "architectures": ["LlamaForCausalLMEagle3"],
+        "torch_dtype": "bfloat16", "vocab_size": 129280, "draft_vocab_size": 32000,
+        "hidden_size": 4096, "target_hidden_size": 4096, "intermediate_size": 14336,
+        "num_hidden_layers": 1, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "head_dim": 128, "eagle_aux_hidden_state_layer_ids": [1, 21, 40]},
+}
+
+_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "int32": 4, "fp8": 1}
+_SHARDED = re.compile(r"(^embed\.|^head\.|\.ffn\.(experts|shared_experts)\.|"
+                      r"\.attn\.(wq_b|wo_a|wo_b)$)")
+
+
+class Files(BaseModel):
+    """What the estimate read for one model ref."""
+
+    config: dict | None = None
+    index_total: int | None = None   # the safetensors index's metadata.total_size
+    shard_bytes: int | None = None   # sum of the *.safetensors files present
+    source: str                      # where config/sizes came from, or why there is none
+
+
+class Estimate(BaseModel):
+    """One point's memory per GPU, in bytes (None: unknown)."""
+
+    point: str
+    weights: float | None
+    draft: float | None = 0.0
+    kv: float | None              # kv_seqs requests of kv_len tokens
+    kv_request: float | None      # one request of kv_len tokens
+    kv_len: int
+    kv_seqs: int
+    headroom: float
+    budget: float | None
+    budget_label: str
+    notes: list[str] = []         # where the sizes came from
+
+    def _need(self, kv: float | None) -> float | None:
+        if None in (self.weights, self.draft, kv):
+            return None
+        return self.weights + self.draft + kv + self.headroom
+
+    @property
+    def need(self) -> float | None:
+        return self._need(self.kv)
+
+    @property
+    def verdict(self) -> str:
+        """fits; short (room for fewer than kv_seqs full-length requests: vLLM starts and
+        runs fewer at once); does not fit (not even one: vLLM cannot start); unknown."""
+        if self.need is None or self.budget is None:
+            return "unknown"
+        if self.need <= self.budget:
+            return "fits"
+        return "short" if self._need(self.kv_request) <= self.budget else "does not fit"
+
+    def line(self) -> str:
+        g = _gib
+        s = (f"weights {g(self.weights)} GiB/GPU + draft {g(self.draft)} + KV at {self.kv_len} "
+             f"x {self.kv_seqs} = {g(self.kv)} + headroom {g(self.headroom)} = {g(self.need)} "
+             f"of {g(self.budget)} GiB ({self.budget_label}): ")
+        v = self.verdict
+        if v == "short":
+            room = int((self.budget - self._need(0.0)) // self.kv_request)
+            s += (f"KV short by {g(self.need - self.budget)} GiB: room for {room} of "
+                  f"{self.kv_seqs} requests at full length")
+        elif v == "does not fit":
+            s += f"does not fit by {g(self._need(self.kv_request) - self.budget)} GiB"
+        else:
+            s += v
+        return s
+
+
+def _gib(b: float | None) -> str:
+    return "?" if b is None else f"{b / GiB:.1f}"
+
+
+# --------------------------------------------------------------------- files
+def read_files(ref: str) -> Files:
+    """Config and checkpoint sizes of a model ref, from disk only (a directory, a
+    `fixture:NAME` already built, the local Hugging Face cache, else `PUBLISHED`)."""
+    try:
+        d = _local_dir(ref)
+    except ImportError as e:  # fixtures are built (and found) with torch
+        return Files(source=f"{ref}: cannot be read here ({e})")
+    if d is not None and (d / "config.json").exists():
+        index = d / "model.safetensors.index.json"
+        total = json.loads(index.read_text())["metadata"]["total_size"] if index.exists() else None
+        shards = sum(p.stat().st_size for p in d.glob("*.safetensors")) or None
+        return Files(config=json.loads((d / "config.json").read_text()), index_total=total,
+                     shard_bytes=shards, source=str(d))
+    if ref in PUBLISHED:
+        return Files(config=PUBLISHED[ref], source="published shapes (no local files)")
+    return Files(source=f"{ref}: no local files" + (
+        f" (build it: speclab fixtures build {ref[8:]})" if ref.startswith("fixture:") else ""))
+
+
+def _local_dir(ref: str) -> Path | None:
+    if ref.startswith("fixture:"):
+        from speclab import fixtures
+
+        d = fixtures.fixture_dir(ref[8:])
+        return d if d.exists() else None
+    if Path(ref).expanduser().is_dir():
+        return Path(ref).expanduser()
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:
+        return None
+    hit = try_to_load_from_cache(ref, "config.json")
+    return Path(hit).parent if isinstance(hit, str) else None
+
+
+# --------------------------------------------------------------------- weights
+def weight_bytes(cfg: dict) -> tuple[float, float]:
+    """(bytes vLLM shards over TP, bytes every rank keeps) of a checkpoint, from its config.
+
+    DeepSeek-V4: every tensor of `fixtures.dsv4_target.tensor_specs` at its dtype; block-FP8
+    weights 1 B + a float32 scale per 128 x 128 block; `expert_dtype` fp4 (MXFP4) routed
+    experts 0.5 B + one e8m0 byte per 32 weights. Llama targets and EAGLE-3 drafts: the
+    parameter count of their linears, embedding and head at `torch_dtype` (a draft without
+    an embedding shares the target's)."""
+    if cfg.get("model_type") == "deepseek_v4":
+        return _dsv4_weight_bytes(cfg)
+    b = _BYTES[cfg.get("torch_dtype", "bfloat16")]
+    H, I, L = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
+    nh, kvh = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
+    hd = cfg.get("head_dim", H // nh)
+    draft = any("Eagle3" in a for a in cfg.get("architectures", []))
+    x = 2 * H if draft else H  # an EAGLE-3 layer attends over [embedding, fc(aux)]
+    layer = x * (nh + 2 * kvh) * hd + nh * hd * H + 3 * H * I
+    if draft:
+        aux = len(cfg.get("eagle_aux_hidden_state_layer_ids") or [0, 0, 0])
+        heads = aux * cfg.get("target_hidden_size", H) * H + cfg.get("draft_vocab_size",
+                                                                      cfg["vocab_size"]) * H
+    else:
+        heads = cfg["vocab_size"] * H * (1 if cfg.get("tie_word_embeddings") else 2)
+    return (L * layer + heads) * b, (2 * L + 1) * H * b
+
+
+def _dsv4_weight_bytes(cfg: dict) -> tuple[float, float]:
+    from speclab.fixtures.dsv4_target import FP8_BLOCK, MXFP4_BLOCK, tensor_specs
+
+    sharded = kept = 0.0
+    for s in tensor_specs(cfg):
+        n = math.prod(s.shape)
+        if s.dtype == "fp4":
+            b = n / 2 + n / MXFP4_BLOCK
+        elif s.dtype == "fp8":
+            b = n + math.ceil(s.shape[0] / FP8_BLOCK) * math.ceil(s.shape[1] / FP8_BLOCK) * 4
+        else:
+            b = n * _BYTES[s.dtype]
+        if _SHARDED.search(s.name):
+            sharded += b
+        else:
+            kept += b
+    return sharded, kept
+
+
+def per_gpu(files: Files, tp: int) -> tuple[float | None, str]:
+    """Bytes one of `tp` ranks holds once loaded (a DeepSeek-V4 target's with
+    `DSV4_LOAD_BUFFERS`), and what they were read from. A checkpoint's size (index
+    total_size, else shard files) is split by its config's sharded share."""
+    if files.config is None:
+        return None, files.source
+    try:
+        sharded, kept = weight_bytes(files.config)
+    except ImportError as e:  # DeepSeek-V4's tensor list lives with the torch fixtures
+        return None, f"{files.source}: cannot count its parameters here ({e})"
+    except KeyError as e:
+        return None, f"{files.source}: config.json has no {e}"
+    total, what = sharded + kept, "parameter count"
+    for size, name in ((files.index_total, "index total_size"), (files.shard_bytes, "shards")):
+        if size:
+            total, what = float(size), name
+            break
+    share = sharded / (sharded + kept)
+    extra = DSV4_LOAD_BUFFERS if files.config.get("model_type") == "deepseek_v4" else 0.0
+    return total * (share / tp + 1 - share) + extra, f"{what}, {files.source}"
+
+
+# --------------------------------------------------------------------- KV cache
+def _page(rows: int, row_bytes: int, align: int) -> int:
+    return -(-rows * row_bytes // align) * align
+
+
+def _window_blocks(window: int, block: int, tokens: int, in_flight: int) -> int:
+    """SlidingWindowSpec.max_admission_blocks_per_request (kv_cache_interface.py)."""
+    return -(-min(window - 1 + in_flight, tokens) // block) + 1
+
+
+def kv_request_bytes(cfg: dict, kv_dtype: str, tokens: int, in_flight: int = 1,
+                     tp: int = 1) -> int:
+    """KV bytes of one request of `tokens` tokens with `in_flight` of them being computed.
+
+    DeepSeek-V4 (vLLM 0.26.0 `vllm/models/deepseek_v4/attention.py`, `compressor.py`,
+    `vllm/v1/attention/backends/mla/sparse_swa.py`, `vllm/v1/kv_cache_interface.py`): every
+    layer a sliding-window cache (`sliding_window` tokens, 64-token blocks); a layer of
+    compress ratio r > 1 a main cache of tokens / r rows (256-token blocks) and a float32
+    compressor state (2 x coff x head_dim per row, coff = 2 at r = 4, window coff x r, blocks
+    of 4 / 8); r = 4 layers an indexer cache (index_head_dim + 4 B scale per 128, rows of
+    tokens / 4) and its own compressor state. fp8 dtypes use the fp8_ds_mla row (584 B),
+    bfloat16 2 x head_dim. Llama (the draft's full attention): 2 x KV heads x head_dim x dtype
+    bytes per token per layer, in 16-token blocks, its KV heads split over `tp` ranks; `auto`
+    is the model dtype (bfloat16). DeepSeek-V4's one KV head is whole on every rank."""
+    dsv4 = cfg.get("model_type") == "deepseek_v4"
+    fp8 = kv_dtype.startswith("fp8") or (kv_dtype == "auto" and dsv4)
+    if not dsv4:
+        kvh = cfg.get("num_key_value_heads", cfg["num_attention_heads"])
+        per_tok = 2 * max(1, kvh // tp) * cfg.get(
+            "head_dim", cfg["hidden_size"] // cfg["num_attention_heads"]) * (1 if fp8 else 2)
+        return cfg["num_hidden_layers"] * -(-tokens // 16) * 16 * per_tok
+    D, ID = cfg["head_dim"], cfg["index_head_dim"]
+    row, align = (DS_MLA_ROW, DS_MLA_ALIGN) if fp8 else (2 * D, 512)
+    blocks = -(-tokens // DSV4_BLOCK)
+    total = 0
+    for r in cfg["compress_ratios"][:cfg["num_hidden_layers"]]:
+        total += _window_blocks(cfg["sliding_window"], SWA_BLOCK, tokens, in_flight) * _page(
+            SWA_BLOCK, row, align)
+        if r <= 1:
+            continue
+        coff, sb = (2, 4) if r == 4 else (1, 8)
+        total += blocks * _page(DSV4_BLOCK // r, row, align)
+        total += _window_blocks(coff * r, sb, tokens, in_flight) * _page(sb, 4 * 2 * coff * D,
+                                                                         align)
+        if r == 4:
+            total += blocks * _page(DSV4_BLOCK // 4, ID + ID // 128 * 4, align)
+            total += _window_blocks(8, 4, tokens, in_flight) * _page(4, 4 * 4 * ID, align)
+    return total
+
+
+# --------------------------------------------------------------------- per point
+def gpu_named(*texts: str) -> str | None:
+    """The first `GPUS` name found in the texts (nvidia-smi's name, a profile's name)."""
+    for t in texts:
+        for name in GPUS:
+            if name.lower() in (t or "").lower():
+                return name
+    return None
+
+
+def estimate(profile, point, gpu: str | None, files: dict[str, Files] | None = None) -> Estimate:
+    """A point's memory per GPU against gpu_memory_utilization x `GPUS[gpu]` (cuda) or the
+    host's memory (cpu). files: `read_files` per ref (read here when not given)."""
+    files = dict(files or {})
+    for ref in filter(None, (profile.target, profile.draft if point.k else None)):
+        files.setdefault(ref, read_files(ref))
+    eng = {**profile.engine, **point.engine}
+    tp, notes = point.layout.tp, []
+    tfiles = files[profile.target]
+    weights, src = per_gpu(tfiles, tp)
+    notes.append(f"target: {src}")
+    draft, dfiles = 0.0, files.get(profile.draft) if point.k else None
+    if dfiles is not None:
+        draft, dsrc = per_gpu(dfiles, tp)
+        notes.append(f"draft: {dsrc}")
+    big = profile.backend == "cpu" or (GPUS.get(gpu or "", 0) >= 70 * GiB)
+    seqs = eng.get("max_num_seqs", 1024 if big else 256)
+    length = eng.get("max_model_len") or (tfiles.config or {}).get("max_position_embeddings", 0)
+    one: float | None = None
+    if weights is not None and draft is not None:  # configs with the shapes in them
+        one = kv_request_bytes(tfiles.config, point.kv_cache_dtype, length, 1 + point.k, tp)
+        if dfiles is not None:
+            one += kv_request_bytes(dfiles.config, point.draft_kv_cache_dtype or "auto", length,
+                                    tp=tp)
+    kv = None if one is None else seqs * one
+    util = eng.get("gpu_memory_utilization", 0.9)
+    if "kv_cache_memory_bytes" in eng:  # vLLM then reserves exactly this and ignores util
+        kv, util = float(eng["kv_cache_memory_bytes"]), 1.0
+        notes.append("KV: kv_cache_memory_bytes")
+    if profile.backend == "cpu":
+        headroom, budget = 0.0, float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+        label = "host memory"
+    else:
+        batched = eng.get("max_num_batched_tokens", 16384 if big else 8192)
+        headroom = batched * ACTIVATION_PER_TOKEN + NON_TORCH + (
+            0 if eng.get("enforce_eager") else CUDA_GRAPHS)
+        budget = util * GPUS[gpu] if gpu in GPUS else None
+        label = f"{util} x {gpu} {GPUS[gpu] / GiB:.1f} GiB" if gpu in GPUS else "GPU unknown"
+    return Estimate(point=point.id, weights=weights, draft=draft, kv=kv, kv_request=one,
+                    kv_len=length, kv_seqs=seqs, headroom=headroom, budget=budget,
+                    budget_label=label, notes=notes)
+
+
+def local_gpu() -> str | None:
+    """This machine's GPU as a `GPUS` name (nvidia-smi), if it has one of them."""
+    import shutil
+    import subprocess
+
+    if not shutil.which("nvidia-smi"):
+        return None
+    out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                         check=False, capture_output=True, text=True).stdout
+    return gpu_named(out)
+
+
+def gpu_for(profile, gpu: str | None = None) -> str | None:
+    """The GPU to check against: `gpu` if given, else this machine's, else one the profile's
+    name or description names (v4flash-8xh200: H200)."""
+    return gpu or (local_gpu() if profile.executor == "local" else None) or gpu_named(
+        profile.name, profile.description)
+
+
+def estimates(profile, points, gpu: str | None) -> list[Estimate]:
+    """`estimate` for each point, each model's files read once."""
+    refs = {profile.target} | ({profile.draft} if profile.draft else set())
+    files = {ref: read_files(ref) for ref in refs}
+    return [estimate(profile, p, gpu, files) for p in points]
+
+
+def refusals(profile, points, gpu: str | None) -> dict[str, str]:
+    """Point id -> why it cannot start, for the points that do not fit."""
+    return {e.point: f"does not fit in memory: {e.line()}"
+            for e in estimates(profile, points, gpu) if e.verdict == "does not fit"}

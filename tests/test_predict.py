@@ -120,3 +120,14 @@ def test_report_refuses_a_run_without_timed_rounds(tmp_path):
     (tmp_path / "results.jsonl").write_text(rows(rounds=0).to_json(orient="records", lines=True))
     with pytest.raises(ValueError, match="no timed pass"):
         predict.report(tmp_path)
+
+
+def test_memory_check_against_the_h200_loading_lines():
+    """The committed real-shape run: 15.45 GiB (plain) and 16.26 GiB (with the draft) loaded;
+    the estimate from the config alone is within 1%."""
+    from pathlib import Path
+
+    run = Path(__file__).resolve().parents[1] / "data/runs/h200-realshape-20261202-vllm026"
+    mem = predict.memory_check(run)
+    assert set(mem.vllm_gib.round(2)) == {15.45, 16.26}
+    assert mem.error.abs().max() < 0.01

@@ -213,6 +213,31 @@ def extrapolate(costs: pd.DataFrame, drafts: pd.DataFrame, rates, layers: int =
             "drafts_from_layers": int(deepest)}
 
 
+def memory_check(run_dir: Path) -> pd.DataFrame:
+    """Per engine of a gpubench run: `speclab.memory`'s weight estimate (target, plus the
+    draft for k > 0) beside vLLM's "Model loading took ... GiB", and the error."""
+    import re
+
+    from speclab import memory
+    from speclab.fixtures import realshape
+
+    rows = []
+    for path in sorted(Path(run_dir).rglob("engines.jsonl")):
+        for line in path.read_text().splitlines():
+            e = json.loads(line)
+            took = [float(m.group(1)) for f in e.get("log_facts", [])
+                    if (m := re.search(r"Model loading took ([\d.]+) GiB", f))]
+            if not took:
+                continue
+            cfg = realshape.realshape_config(e["layers"], e.get("expert_dtype", "fp4"))
+            est = memory.per_gpu(memory.Files(config=cfg, source="config"), 1)[0]
+            if e["k"]:
+                est += sum(memory.weight_bytes(realshape.draft_config(cfg)))
+            rows.append({"engine": e["engine"], "estimate_gib": est / 2 ** 30,
+                         "vllm_gib": took[-1], "error": est / 2 ** 30 / took[-1] - 1})
+    return pd.DataFrame(rows).drop_duplicates("engine", keep="last")
+
+
 # --------------------------------------------------------------------------- report
 def _md(df: pd.DataFrame, cols: list[str]) -> str:
     """A markdown table of `cols` (floats to 4 significant digits, NaN as n/a)."""
@@ -280,6 +305,12 @@ def report(run_dir: Path, rates=PUBLISHED_EAGLE31, layers: int = PRODUCTION_LAYE
                   ""]
     except ValueError as e:
         lines += [f"## {layers} layers", "", f"Not extrapolated: {e}.", ""]
+    mem = memory_check(run_dir)
+    if len(mem):
+        lines += ["## Weights: estimate vs vLLM", "", "`speclab.memory` from the config alone "
+                  "against each engine's `Model loading took`; largest |error| "
+                  f"{mem.error.abs().max():.1%}.", "",
+                  _md(mem, ["engine", "estimate_gib", "vllm_gib", "error"]), ""]
     md = "\n".join(lines)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "predict.md").write_text(md)

@@ -59,3 +59,19 @@ def test_profile_check_warns_when_vllm_is_newer_than_the_matrix(monkeypatch, cap
     monkeypatch.setattr(profiles, "installed_vllm", lambda: vllm_matrix.RELEASES[-1])
     cli.main(["profile", "check", "tiny-cpu"])
     assert "warning:" not in capsys.readouterr().out
+
+
+def test_fixtures_list_marks_named_only_and_param_is_checked(capsys, monkeypatch):
+    from speclab import fixtures
+
+    assert cli.main(["fixtures", "list"]) == 0
+    out = capsys.readouterr().out
+    assert "realshape-dsv4 (built only when named)" in out and "\ntiny-llama\n" in out
+    with pytest.raises(SystemExit, match="FIXTURE.KEY=VALUE"):
+        cli.main(["fixtures", "build", "realshape-dsv4", "--param", "num_layers=8"])
+    seen = {}
+    monkeypatch.setattr(fixtures, "build", lambda name, cache, **kw: seen.setdefault(name, kw))
+    cli.main(["fixtures", "build", "realshape-dsv4-eagle3", "--param",
+              "realshape-dsv4.num_layers=8", "--param", "realshape-dsv4.expert_dtype=fp8"])
+    assert seen["realshape-dsv4-eagle3"]["params"] == {
+        "realshape-dsv4": {"num_layers": 8, "expert_dtype": "fp8"}}

@@ -47,6 +47,9 @@ def test_drive_interleaves_checks_and_resumes(tmp_path, fake_pair):
         if r["k"]:
             assert r["counters"]["accepted_per_pos"] == r["expected"]["accepted_per_pos"]
     assert [r["op"] for r in rows].count("split") == 1
+    jit = {(r["round"], r["B"]): r["jit_compiled"] for r in passes if r["k"] == 0}
+    assert jit[(0, 4)] == ["mhc_pre_big_fuse_tilelang"] and not any(
+        v for key, v in jit.items() if key != (0, 4))
     eng = [json.loads(x) for x in (state / "engines.jsonl").read_text().splitlines()]
     assert {e["engine"] for e in eng} == {"L4-k0-graphs", "L4-k3-graphs"}
     assert any("MARLIN" in f for e in eng for f in e["log_facts"])

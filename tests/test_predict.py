@@ -131,3 +131,14 @@ def test_memory_check_against_the_h200_loading_lines():
     mem = predict.memory_check(run)
     assert set(mem.vllm_gib.round(2)) == {15.45, 16.26}
     assert mem.error.abs().max() < 0.01
+
+
+def test_passes_with_jit_during_them_are_not_timings():
+    res = rows(rounds=2)
+    res["jit_compiled"] = [[] for _ in range(len(res))]
+    hit = res.index[(res.k == 3) & (res.B == 4) & (res["round"] == 1)]
+    for i in hit:
+        res.at[i, "jit_compiled"] = ["mhc_pre_big_fuse_tilelang"]
+    c = predict.step_costs(res)
+    assert c[(c.k == 3) & (c.B == 4)].rounds.iloc[0] == 1
+    assert c[(c.k == 3) & (c.B == 1)].rounds.iloc[0] == 2

@@ -18,7 +18,8 @@ each speculative engine runs one `split` pass per batch size with `speclab.stept
 
 Every pass appends one JSON line to DIR/results.jsonl (counters, the expectation from
 `realshape.expected_counters`, whether each output equals the target's known greedy tokens,
-wall times); engines' resolved settings and log facts go to DIR/engines.jsonl. A rerun skips
+wall times, and the kernels vLLM's jit_monitor saw compiled during the pass: a timed pass
+with any is not a clean timing); engines' resolved settings and log facts go to DIR/engines.jsonl. A rerun skips
 what is there, so a driver cut short resumes. Analysis: `speclab.predict`.
 """
 
@@ -192,10 +193,20 @@ def worker(spec: dict, out_fd: int) -> int:
         dt = time.perf_counter() - g0
         return dt, outs, (metrics.from_snapshot(llm.get_metrics()) - c0).to_dict()
 
+    log_path = Path(spec.get("log_path", os.devnull))
+
+    def jit_since(offset: int) -> list[str]:
+        """vLLM's jit_monitor warnings (a kernel compiled while serving) since `offset`."""
+        with open(log_path, "rb") as fh:
+            fh.seek(offset)
+            text = fh.read().decode(errors="replace")
+        return sorted(set(re.findall(r"JIT compilation during inference: ([\w.]*\w)", text)))
+
     for line in sys.stdin:
         cmd = json.loads(line)
         if cmd["op"] == "stop":
             break
+        offset = log_path.stat().st_size if log_path.exists() else 0
         B, seed = cmd["B"], cmd["seed"]
         prompts = realshape.prompt_ids(B, PROMPT_LEN, seed=seed, max_tokens=MAX_TOKENS, k=k)
         if cmd["op"] == "pass":
@@ -204,7 +215,7 @@ def worker(spec: dict, out_fd: int) -> int:
             exact = sum(list(o.outputs[0].token_ids) == realshape.greedy(succ, p, MAX_TOKENS)
                         for o, p in zip(outs, prompts))
             msg = {"op": "pass", "t_prefill_s": t1, "t_full_s": tn, "counters": c,
-                   "outputs_exact": exact,
+                   "outputs_exact": exact, "jit_compiled": jit_since(offset),
                    "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs)}
             if k:
                 msg["expected"] = realshape.expected_counters(succ, prompts, k, MAX_TOKENS)
@@ -292,7 +303,7 @@ def start_worker(eng: Engine, args: dict, state: Path) -> Worker:
     log_path.parent.mkdir(parents=True, exist_ok=True)
     timing = state / "steptiming" / eng.name
     timing.mkdir(parents=True, exist_ok=True)
-    spec = {"args": args, "k": eng.k, "timing_dir": str(timing)}
+    spec = {"args": args, "k": eng.k, "timing_dir": str(timing), "log_path": str(log_path)}
     env = {**os.environ, "SPECLAB_STEP_TIMING": str(timing), "PYTHONUNBUFFERED": "1"}
     with open(log_path, "a") as fh:
         proc = subprocess.Popen([sys.executable, "-m", "speclab.gpubench", "worker",
@@ -427,9 +438,11 @@ def _drive(state: Path, deadline: float, plan_name: str, rounds: int, paths, fh)
                     exp = ans.get("expected")
                     ok = exp is None or exp["accepted_per_pos"] == ans["counters"].get(
                         "accepted_per_pos")
+                    jit = ans.get("jit_compiled")
                     log(f"{w.eng.name} {op} r{r} B{B}: {ans.get('t_full_s', 0):.3f} s, exact "
                         f"{ans.get('outputs_exact', '-')}/{B}, counters "
-                        f"{'= expected' if ok else 'DIFFER from expected'}", fh)
+                        f"{'= expected' if ok else 'DIFFER from expected'}"
+                        + (f", JIT during the pass: {jit}" if jit else ""), fh)
         except (TimeoutError, RuntimeError) as err:
             log(f"stopped: {err}", fh)
             if isinstance(err, TimeoutError):

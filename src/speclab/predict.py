@@ -64,10 +64,13 @@ def load(run_dir: Path) -> pd.DataFrame:
 
 
 def passes(results: pd.DataFrame, max_tokens: int = 128) -> pd.DataFrame:
-    """Timed passes (round >= 1, op `pass`) with decode time, steps, step time and tok/s.
-    A pass is kept once (the last record of an engine, round and batch size)."""
+    """Timed passes (round >= 1, op `pass`, no kernel JIT-compiled during the pass) with
+    decode time, steps, step time and tok/s. A pass is kept once (the last record of an
+    engine, round and batch size)."""
     df = results[(results.op == "pass") & (results["round"] >= 1)].copy()
     df = df.drop_duplicates(["engine", "round", "B"], keep="last")
+    if "jit_compiled" in df:  # a kernel compiled while the pass ran: not a clean timing
+        df = df[df.jit_compiled.map(lambda j: not (isinstance(j, list) and j))]
     df["decode_s"] = df.t_full_s - df.t_prefill_s
     drafts = df.counters.map(lambda c: c.get("num_drafts", 0))
     df["steps"] = np.where(df.k > 0, drafts / df.B, max_tokens - 1)

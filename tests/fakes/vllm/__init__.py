@@ -40,6 +40,10 @@ class LLM:
                 self.tot[key] += c[key]
             self.tot["accepted_per_pos"] = [a + b for a, b in zip(self.tot["accepted_per_pos"], c["accepted_per_pos"])]
         time.sleep(0.001 * sp.max_tokens)
+        if len(ids) == 4 and sp.max_tokens > 1 and not getattr(self, "_jit_once", False):
+            self._jit_once = True  # the first full B=4 pass "compiles" (vLLM's jit_monitor line)
+            print("WARNING [jit_monitor.py:135] TileLang JIT compilation during inference: "
+                  "mhc_pre_big_fuse_tilelang. This causes a latency spike", flush=True)
         return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=realshape.greedy(self.succ, p, sp.max_tokens))]) for p in ids]
 
     def get_metrics(self):

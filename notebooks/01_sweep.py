@@ -21,7 +21,7 @@
 
 # %% tags=["parameters"]
 profile = "tiny-cpu"
-# None: data/runs/<profile name> and figures/<profile name> (speclab.paths.notebook_folders)
+# None: data/runs/<profile name> and figures/<profile name> (speclab.notebook.folders)
 run_dir = None
 figures_dir = None
 overrides = {}
@@ -37,11 +37,11 @@ executor = None
 # %%
 from IPython.display import display
 
-from speclab import analysis, parity, paths, plots, provenance, server, summary, sweep
-from speclab.report import record
+from speclab import analysis, notebook, parity, plots, provenance, server, summary, sweep
+from speclab.notebook import record
 
-run_dir, figures_dir = paths.notebook_folders(profile, run_dir, figures_dir)
-prof = sweep.profile_for(run_dir, profile, overrides, execute)
+run_dir, figures_dir = notebook.folders(profile, run_dir, figures_dir)
+prof = notebook.profile_for(run_dir, profile, overrides, execute)
 prof = prof.model_copy(update={"executor": executor or prof.executor})
 points = sweep.expand(prof)
 if mode == "server":

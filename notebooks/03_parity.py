@@ -31,7 +31,7 @@
 
 # %% tags=["parameters"]
 profile = "tiny-cpu"
-# None: data/runs/<profile name> and figures/<profile name> (speclab.paths.notebook_folders)
+# None: data/runs/<profile name> and figures/<profile name> (speclab.notebook.folders)
 run_dir = None
 figures_dir = None
 overrides = {}
@@ -55,12 +55,12 @@ from pathlib import Path
 import pandas as pd
 from IPython.display import Markdown, display
 
-from speclab import multipass, parity, paths, plots, provenance, summary, sweep
+from speclab import multipass, notebook, parity, plots, provenance, summary, sweep
+from speclab.notebook import record
 from speclab.profiles import REPO
-from speclab.report import record
 
-run_dir, figures_dir = paths.notebook_folders(profile, run_dir, figures_dir)
-prof = sweep.profile_for(run_dir, profile, overrides, execute)
+run_dir, figures_dir = notebook.folders(profile, run_dir, figures_dir)
+prof = notebook.profile_for(run_dir, profile, overrides, execute)
 prereg = parity.settings(prof)
 if near_tie is not None and near_tie != prereg.near_tie:
     reanalyses = {f"near_tie={near_tie:g}": {"near_tie": near_tie}, **reanalyses}

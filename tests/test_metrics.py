@@ -242,3 +242,10 @@ def test_parse_log_names_the_bad_line():
     with pytest.raises(ValueError, match="line 2: malformed"):
         metrics.parse_log("\n".join([OLD, OLD.replace("0.357", "0.3x7").replace(
             "acceptance rate: 0.543", "acceptance rate: 0.5.43")]))
+
+
+def test_first_divergence():
+    assert metrics.first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert metrics.first_divergence([1, 2, 3], [1, 9, 3]) == 1
+    assert metrics.first_divergence([1, 2, 3], [1, 2]) == 2
+    assert metrics.first_divergence([], [5]) == 0

@@ -9,13 +9,6 @@ from speclab.profiles import Layout, Profile
 from speclab.sweep import Point
 
 
-def test_first_divergence():
-    assert parity.first_divergence([1, 2, 3], [1, 2, 3]) is None
-    assert parity.first_divergence([1, 2, 3], [1, 9, 3]) == 1
-    assert parity.first_divergence([1, 2, 3], [1, 2]) == 2
-    assert parity.first_divergence([], [5]) == 0
-
-
 def _rec(pid, ids, margin=None, runner_up=None, cat="c"):
     return {"prompt_id": pid, "category": cat, "output_token_ids": ids,
             "margin": margin or [1.0] * len(ids), "runner_up": runner_up or [-1] * len(ids)}

@@ -308,3 +308,13 @@ def ideal_speedup(mean_acceptance_length: float, k: int, draft_cost: float) -> f
     """Best wall-clock speedup AL / (1 + k c) when one draft forward costs c target forwards
     (ignores the verify pass's extra cost over a plain decode step)."""
     return mean_acceptance_length / (1.0 + k * draft_cost)
+
+
+def first_divergence(ref: Sequence[int], cand: Sequence[int]) -> int | None:
+    """Index of the first differing token (a length difference counts at the shorter end);
+    None when the sequences are identical."""
+    n = min(len(ref), len(cand))
+    diff = np.flatnonzero(np.asarray(ref[:n]) != np.asarray(cand[:n]))
+    if diff.size:
+        return int(diff[0])
+    return None if len(ref) == len(cand) else n

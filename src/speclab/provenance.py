@@ -19,6 +19,14 @@ from speclab import paths, profiles
 from speclab.fingerprint import file_sha256
 
 
+def hardware(versions: dict) -> str | None:
+    """"2x NVIDIA H200" or the CPU architecture, from a `versions()` dict."""
+    if versions.get("gpu"):
+        n = versions.get("gpu_count")
+        return f"{n}x {versions['gpu']}" if n and str(n) != "1" else str(versions["gpu"])
+    return f"CPU ({versions['processor']})" if versions.get("processor") else None
+
+
 def _point_metas(run_dir: Path) -> list[dict]:
     out = []
     for p in sorted((Path(run_dir) / "points").glob("[!._]*.json")):
@@ -33,8 +41,6 @@ def measured(run_dir: str | Path) -> dict:
     """{run, dates, hardware, vllm, torch, transformers, python, platform, cuda, gpu_driver}
     from the points' recorded versions (values joined with ", " where points differ) and the
     run's env.json when present. Empty values are left out."""
-    from speclab.summary import hardware
-
     run_dir = Path(run_dir)
     metas = [m for m in _point_metas(run_dir) if m.get("versions")]
     vals: dict[str, list] = {}

@@ -2,16 +2,13 @@
 write the run's summary table, then export one HTML report: summary, findings and caveats
 first, the notebooks' outputs (code, records, warnings and progress lines left out), and a
 footer naming the machine and software that measured the results and, separately, the one
-that rendered the report.
-
-Notebooks record their results with `record(...)` (a custom MIME output in the last cell);
-`read_records` reads them back from an executed notebook (tests, the report)."""
+that rendered the report. What notebooks record (`notebook.record`) is read back with
+`notebook.read_records`."""
 
 from __future__ import annotations
 
 import html
 import json
-import math
 import re
 import time
 from pathlib import Path
@@ -20,51 +17,10 @@ import nbformat
 import pandas as pd
 
 from speclab import convention, paths, profiles, progress, provenance, summary, sweep
+from speclab.notebook import MIME
 
 NOTEBOOK_DIR = paths.RESOURCES / "notebooks"
 SUITE = ("00_overlay", "01_sweep", "02_acceptance", "03_parity", "04_explorer")
-MIME = "application/vnd.speclab.record+json"
-
-
-def record(**values) -> None:
-    """Publish results from a notebook cell so tests and the report can read them back."""
-    from IPython.display import display
-
-    clean = _no_nan(json.loads(json.dumps(values, default=_jsonable)))
-    display({MIME: clean, "text/plain": f"(recorded: {', '.join(clean)})"}, raw=True)
-
-
-def _no_nan(x):
-    """NaN/inf → None, so records are valid JSON."""
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    if isinstance(x, dict):
-        return {k: _no_nan(v) for k, v in x.items()}
-    if isinstance(x, list):
-        return [_no_nan(v) for v in x]
-    return x
-
-
-def _jsonable(x):
-    if hasattr(x, "tolist"):
-        return x.tolist()
-    if hasattr(x, "item"):
-        return x.item()
-    return str(x)
-
-
-def read_records(notebook: str | Path) -> dict:
-    """Merge every `record(...)` output of an executed notebook into one dict."""
-    nb = nbformat.read(str(notebook), as_version=4)
-    out: dict = {}
-    for cell in nb.cells:
-        for o in cell.get("outputs", []):
-            if MIME in o.get("data", {}):
-                out.update(o["data"][MIME])
-    return out
-
-
-
 class NotebookFailed(RuntimeError):
     """A notebook of the suite raised; the report was still written and says where."""
 

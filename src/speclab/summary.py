@@ -17,6 +17,7 @@ import numpy as np
 import pandas as pd
 
 from speclab import analysis, metrics, parity
+from speclab.provenance import hardware
 from speclab.sweep import Point, load_profile, load_results
 
 N_BOOT = 1000
@@ -125,14 +126,6 @@ def _date(ts) -> str | None:
     if ts is None or (isinstance(ts, float) and np.isnan(ts)):
         return None
     return pd.Timestamp(ts, unit="s", tz="UTC").strftime("%Y-%m-%d %H:%M UTC")
-
-
-def hardware(versions: dict) -> str | None:
-    """"2x NVIDIA H200" or the CPU architecture, from a `versions()` dict."""
-    if versions.get("gpu"):
-        n = versions.get("gpu_count")
-        return f"{n}x {versions['gpu']}" if n and str(n) != "1" else str(versions["gpu"])
-    return f"CPU ({versions['processor']})" if versions.get("processor") else None
 
 
 def write(run_dir: str | Path) -> pd.DataFrame:

@@ -208,16 +208,6 @@ def load_profile(run_dir: Path) -> Profile:
     return Profile.model_validate_json((Path(run_dir) / "profile.json").read_text())
 
 
-def profile_for(run_dir: Path, profile: str, overrides: dict | None, execute: bool) -> Profile:
-    """The profile a notebook works with: the named one (with overrides) when it executes,
-    the run's own saved profile when it only re-renders committed results."""
-    from speclab import profiles
-
-    if not execute and (Path(run_dir) / "profile.json").exists():
-        return load_profile(run_dir)
-    return profiles.load(profile, overrides)
-
-
 def results_for(run_dir: Path, points: Iterable[Point | str]
                 ) -> tuple[pd.DataFrame, pd.DataFrame]:
     """`load_results` restricted to the given points (or point ids)."""

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from speclab import convention, engine, fingerprint, metrics, parity, prompts
+from speclab import convention, engine, fingerprint, metrics, prompts
 from speclab.profiles import Profile, prompt_file, resolve_model
 from speclab.sweep import Point, write_point
 
@@ -192,7 +192,7 @@ def main(spec_path: str) -> int:
                 t["logprob_pass_s"] = time.perf_counter() - l0
                 for tr, lp in zip(traces, with_lp):
                     tr["logprobs"] = lp["logprobs"]
-                    tr["logprob_pass_divergence"] = parity.first_divergence(
+                    tr["logprob_pass_divergence"] = metrics.first_divergence(
                         tr["output_token_ids"], lp["output_token_ids"])
         records = records_frame(profile, point, plist, prompt_ids, traces)
         from_steps = sum((metrics.SpecCounters(d, dt, a, tuple(app)) for d, dt, a, app in zip(

@@ -31,7 +31,7 @@ execute = True
 import pandas as pd
 from IPython.display import display
 
-from speclab import engine, notebook, overlay, profiles, sweep
+from speclab import engine, notebook, overlay, profiles
 from speclab.notebook import record
 
 run_dir, figures_dir = notebook.folders(profile, run_dir, figures_dir)

@@ -33,7 +33,7 @@ formats = None
 # %%
 from IPython.display import display
 
-from speclab import analysis, convention, notebook, plots, provenance, summary, sweep
+from speclab import analysis, convention, notebook, plots, provenance, store, summary, sweep
 from speclab.notebook import record
 
 run_dir, figures_dir = notebook.folders(profile, run_dir, figures_dir)
@@ -44,7 +44,7 @@ fmt_points = [base.model_copy(update={"k": prof.parity.spec_k, "prompt_format": 
               for f in (formats if formats is not None else prof.compare_formats)] if base else []
 if execute:
     sweep.run(prof, run_dir, fmt_points)
-pts, recs = sweep.results_for(run_dir, grid_points + fmt_points)
+pts, recs = store.results_for(run_dir, grid_points + fmt_points)
 caption = provenance.caption(run_dir)
 
 # %%

@@ -55,7 +55,7 @@ from pathlib import Path
 import pandas as pd
 from IPython.display import Markdown, display
 
-from speclab import multipass, notebook, parity, plots, provenance, summary, sweep
+from speclab import multipass, notebook, parity, plots, provenance, store, summary, sweep
 from speclab.notebook import record
 from speclab.profiles import REPO
 
@@ -73,7 +73,7 @@ display(Markdown("**Pre-registered analysis** (profile `parity:` block) — " + 
 if execute:
     sweep.run(prof, run_dir, parity.points_of(plan))
     multipass.run_groups(prof, run_dir, parity.groups_of(plan))
-pts, recs = sweep.results_for(run_dir, parity.points_of(plan, grouped=None))
+pts, recs = store.results_for(run_dir, parity.points_of(plan, grouped=None))
 more_plain = parity.plain_from_runs(prof, plain_runs, base=Path(run_dir).parent)
 recs = pd.concat([recs, more_plain], ignore_index=True)
 rescore_path = Path(run_dir) / multipass.RESCORE_FILE

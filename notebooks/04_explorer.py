@@ -39,7 +39,7 @@ from pathlib import Path
 
 from IPython.display import display
 
-from speclab import explorer, notebook, plots, provenance, sweep
+from speclab import explorer, notebook, plots, provenance
 from speclab.notebook import record
 
 run_dir, figures_dir = notebook.folders(profile, run_dir, figures_dir)

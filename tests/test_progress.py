@@ -23,14 +23,15 @@ def test_durations_read_naturally():
 def test_sweep_prints_a_line_per_point(tmp_path, monkeypatch, capsys):
     import pandas as pd
 
-    from speclab import fingerprint, profiles, sweep
+    from speclab import fingerprint, profiles, store, sweep
 
     prof = profiles.load("tiny-cpu", {"grid": {"num_speculative_tokens": [0, 1, 2]},
                                       "timed_passes": 1})
     points = sweep.expand(prof)
-    done = {"point_id": points[0].id, "status": "ok", "n_requests": 1,  # an earlier run's
-            "fingerprint": fingerprint.of_point(prof, points[0])}
-    sweep.write_point(tmp_path, points[0].id, pd.DataFrame({"request": [0]}), done)
+    done = store.PointResult(  # an earlier run's
+        point_id=points[0].id, status="ok", point=points[0].model_dump(mode="json"),
+        n_requests=1, fingerprint=fingerprint.of_point(prof, points[0]))
+    store.write_point(tmp_path, done, pd.DataFrame({"request": [0]}))
     monkeypatch.setattr(sweep, "prepare_models", lambda *a: None)
     monkeypatch.setattr(sweep, "run_point", lambda prof, p, run_dir, fp=None: {
         "point_id": p.id, "status": "ok" if p.k == 1 else "error", "error": "boom", "wall_s": 65})

@@ -13,7 +13,7 @@ import nbformat
 import pandas as pd
 import pytest
 
-from speclab import analysis, notebook, paths, provenance, report, summary, sweep
+from speclab import analysis, notebook, paths, provenance, report, store, summary
 
 RUNS = Path(__file__).resolve().parents[1] / "data" / "runs"
 DIAL = "h200-dsv4-dial-20261130-h4096"  # eager H200 run whose k=0 baseline was JIT-slowed
@@ -36,7 +36,7 @@ def test_summary_has_one_row_per_point_and_one_al_definition(runs):
     reqs = pd.read_parquet(runs / "tiny-cpu" / "requests.parquet")
     assert set(reqs.point_id) == set(back.point_id[back.status == "ok"])
     # AL is the per-request definition with its bootstrap CI, the one notebook 02 shows
-    pts, recs = sweep.load_results(runs / "tiny-cpu")
+    pts, recs = store.load_results(runs / "tiny-cpu")
     acc = analysis.acceptance(recs, points=pts, n_boot=summary.N_BOOT).set_index("point_id")
     spec = t[t.k > 0].set_index("point_id")
     assert (spec.al_counters == "per-request").all()
@@ -51,7 +51,7 @@ def test_summary_has_one_row_per_point_and_one_al_definition(runs):
 
 def test_dial_run_caveats_flag_speedups_above_the_bound(runs):
     t = summary.table(runs / DIAL)
-    prof = sweep.load_profile(runs / DIAL)
+    prof = store.load_profile(runs / DIAL)
     flagged = set(t.point_id[t.above_ideal.fillna(False)])
     # 8.33x and 9.84x at AL 2.29: beyond any speculation
     assert {"k2_kv-fp8_dkv-auto_tp1_raw", "k2_kv-fp8_dkv-fp8_tp1_raw"} <= flagged
@@ -71,7 +71,7 @@ def test_tiny_cpu_findings_withhold_a_noisy_speedup(runs):
     # the committed tiny-cpu run was measured on a loaded 2-core machine: its plain repeats
     # differ several-fold, so the report gives AL with its CI and parity, but no speedup
     t = summary.table(runs / "tiny-cpu")
-    prof = sweep.load_profile(runs / "tiny-cpu")
+    prof = store.load_profile(runs / "tiny-cpu")
     noisy = summary._noisy_repeats(t)
     assert noisy and not summary.speed_trusted(t, prof)
     assert any("repeats of the same plain point differ" in c for c in summary.caveats(t, prof))

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import yaml
 
-from speclab import analysis, cli, fingerprint, profiles, runlock, server, sweep
+from speclab import analysis, cli, fingerprint, profiles, runlock, server, store, sweep
 from speclab.profiles import REPO
 from speclab.sweep import Point
 
@@ -172,7 +172,7 @@ def test_timed_passes_run_in_rounds_over_the_points(prof_path, tmp_path, fake):
     assert json.loads((logs / f"{k0}.round3.spec.json").read_text())["round"] == 3
     sweep_run(prof_path, run_dir, {"timed_passes": 4})  # resuming adds only the missing round
     assert starts(fake)[6:] == [f"{k0} timing 4", f"{k2} timing 4"]
-    pts, _ = sweep.load_results(run_dir)
+    pts, _ = store.load_results(run_dir)
     spd = analysis.speed(pts).set_index("point_id")
     # the stand-in's k-point passes 100*(1+k) + round tok/s
     ratios = [(300 + r) / (100 + r) for r in (1, 2, 3, 4)]
@@ -205,7 +205,7 @@ def test_a_damaged_point_is_named_set_aside_and_measured_again(prof_path, tmp_pa
     run_dir = tmp_path / "run"
     res, _ = sweep_run(prof_path, run_dir)
     pid = res[0]["point_id"]
-    rec, meta = sweep.point_paths(run_dir, pid)
+    rec, meta = store.point_paths(run_dir, pid)
     target = rec if "parquet" in damage else meta
     {"truncated-json": lambda: _truncate(meta), "empty-json": lambda: meta.write_text(""),
      "empty-object": lambda: meta.write_text("{}"), "list": lambda: meta.write_text("[1]"),
@@ -221,11 +221,11 @@ def test_a_damaged_point_is_named_set_aside_and_measured_again(prof_path, tmp_pa
 def test_analysis_never_takes_an_unreadable_parquet_as_ok(prof_path, tmp_path, fake):
     run_dir = tmp_path / "run"
     res, _ = sweep_run(prof_path, run_dir)
-    rec, _ = sweep.point_paths(run_dir, res[1]["point_id"])
+    rec, _ = store.point_paths(run_dir, res[1]["point_id"])
     _truncate(rec)
     (run_dir / "points" / "broken.json").write_text("{")
     with pytest.warns(UserWarning) as caught:
-        pts, recs = sweep.load_results(run_dir)
+        pts, recs = store.load_results(run_dir)
     text = " ".join(str(w.message) for w in caught)
     assert str(rec) in text and "broken.json" in text
     assert dict(zip(pts.point_id, pts.status)) == {res[0]["point_id"]: "ok",

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pandas as pd
 
-from speclab import fingerprint
+from speclab import fingerprint, store
 from speclab.profiles import Profile
-from speclab.sweep import Point, write_point
+from speclab.sweep import Point
 from speclab.worker import guard_parent
 
 
@@ -44,11 +44,11 @@ def main(spec_path: str) -> int:
         return 0
     records = pd.DataFrame({"point_id": [point.id] * 2, "k": [point.k] * 2,
                             "n_output": [profile.max_tokens] * 2})
-    write_point(Path(spec["run_dir"]), point.id, records, {
-        "point_id": point.id, "status": "ok", "point": point.model_dump(mode="json"),
-        "started_at": started, "sampling": fingerprint.sampling(profile, point),
-        "fingerprint": spec["fingerprint"], "n_requests": 2, "throughput_tok_s": tok_s,
-        "passes": [passed]})
+    store.write_point(Path(spec["run_dir"]), store.PointResult(
+        point_id=point.id, status="ok", point=point.model_dump(mode="json"),
+        started_at=started, sampling=fingerprint.sampling(profile, point),
+        fingerprint=spec["fingerprint"], n_requests=2, throughput_tok_s=tok_s,
+        passes=[passed]), records)
     return 0
 
 

@@ -10,7 +10,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from speclab import analysis, engine, plots, profiles, prompts, sweep
+from speclab import analysis, engine, plots, profiles, prompts, store, sweep
 
 
 def main(profile_name: str, k: int, run_id: str) -> int:
@@ -30,7 +30,7 @@ def main(profile_name: str, k: int, run_id: str) -> int:
             print(f"point failed: {meta['error']}\n{meta.get('log_tail', '')}")
             return 1
         p0 = time.perf_counter()
-        pts, recs = sweep.load_results(run_dir)
+        pts, recs = store.load_results(run_dir)
         figs = []
         if k:
             acc = analysis.acceptance(recs)

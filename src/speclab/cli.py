@@ -68,12 +68,12 @@ def _out_roots(a) -> tuple[Path | None, Path | None]:
 def _run_id(a, prof) -> str:
     """--run-id, else `<profile>-local`; --fresh adds the time (a new, empty run folder).
     Sets a.resume, the line an interrupt prints."""
-    from speclab import sweep
+    from speclab import store
 
-    run_id = a.run_id or sweep.default_run_id(prof.name)
+    run_id = a.run_id or store.default_run_id(prof.name)
     if a.fresh:
-        run_id = sweep.fresh_run_id(run_id)
-    a.resume = (f"finished points are kept in {sweep.run_dirs(run_id)[0]}; resume with "
+        run_id = store.fresh_run_id(run_id)
+    a.resume = (f"finished points are kept in {store.run_dirs(run_id)[0]}; resume with "
                 f"`speclab {a.cmd} --profile {a.profile} --run-id {run_id}`")
     return run_id
 
@@ -97,7 +97,7 @@ def _notebooks(names: str | None) -> list[str]:
 
 
 def cmd_run(a) -> int:
-    from speclab import profiles, report, runlock, sweep
+    from speclab import profiles, report, runlock, store
 
     t0 = time.time()
     notebooks = _notebooks(a.notebooks)
@@ -107,7 +107,7 @@ def cmd_run(a) -> int:
     runs_root, figures_root = _out_roots(a)
     run_id = _run_id(a, profiles.load(a.profile, params.get("overrides")))
     try:
-        with runlock.hold(sweep.run_dirs(run_id, runs_root)[0]):
+        with runlock.hold(store.run_dirs(run_id, runs_root)[0]):
             path = report.run_suite(a.profile, run_id=run_id, notebooks=notebooks,
                                     parameters=params, runs_root=runs_root,
                                     figures_root=figures_root)
@@ -131,7 +131,7 @@ def _levels(text: str) -> list[int]:
 def cmd_sweep(a) -> int:
     import fnmatch
 
-    from speclab import parity, profiles, server, sweep
+    from speclab import parity, profiles, server, store, sweep
 
     over = _override(a.override) or {}
     if a.executor:
@@ -153,7 +153,7 @@ def cmd_sweep(a) -> int:
     points = list({p.id: p for p in points}.values())
     if a.only:
         points = [p for p in points if any(fnmatch.fnmatch(p.id, g) for g in a.only.split(","))]
-    run_dir, _ = sweep.run_dirs(_run_id(a, prof), _out_roots(a)[0])
+    run_dir, _ = store.run_dirs(_run_id(a, prof), _out_roots(a)[0])
     if a.mode == "server":
         res = [m for p in points for m in server.run_point(prof, p, run_dir, levels)]
     else:

@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from speclab import store
 from speclab.profiles import Profile, ProfileError, prompt_file
 
 
@@ -215,8 +216,6 @@ def _store(run_dir: Path, point, out: dict, executor: dict, beside: list[str]) -
     become the run folder's); a point without results gets an error record."""
     import pandas as pd
 
-    from speclab import sweep
-
     files = out.get("files", {})
     scratch = out.get("scratch")
     rec_name, meta_name = (f"points/{point.id}.parquet", f"points/{point.id}.json")
@@ -225,7 +224,7 @@ def _store(run_dir: Path, point, out: dict, executor: dict, beside: list[str]) -
             continue
         if name.endswith(".json") and scratch:
             data = data.replace(scratch.encode(), str(run_dir).encode())
-        sweep.atomic_write(run_dir / name, data)
+        store.atomic_write(run_dir / name, data)
     if "meta" in out:
         meta = json.loads(json.dumps(out["meta"]).replace(scratch, str(run_dir)))
     else:
@@ -233,9 +232,10 @@ def _store(run_dir: Path, point, out: dict, executor: dict, beside: list[str]) -
                 "error": out["error"]}
     records = pd.read_parquet(io.BytesIO(files[rec_name])) if (
         meta["status"] == "ok" and rec_name in files) else None
-    meta.update(executor=executor, side_by_side=beside)
-    sweep.write_point(run_dir, point.id, records, meta)
-    return meta
+    result = store.PointResult.model_validate({**meta, "executor": executor,
+                                               "side_by_side": beside})
+    store.write_point(run_dir, result, records)
+    return result.model_dump(exclude_unset=True)
 
 
 def _label(nodes: dict, node_id: str) -> str:

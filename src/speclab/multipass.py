@@ -5,7 +5,7 @@ no plain pass saw.
 A `Group` is one engine (`engine_point`: its configuration, and any defect that must exist
 before the model loads) and the passes it runs, each recorded as its own point of the run
 folder in the sweep's format (`points/<id>.parquet|json`, metadata `engine_group` and
-`pass_index`), so `sweep.load_results` reads them with the rest. Plain passes request top-2
+`pass_index`), so `store.load_results` reads them with the rest. Plain passes request top-2
 logprobs in the pass itself. `python -m speclab.multipass SPEC.json` runs one group (or one
 rescoring job) in a fresh process, like `speclab.worker`.
 """
@@ -25,8 +25,9 @@ from pathlib import Path
 
 import pandas as pd
 
+from speclab import store
 from speclab.profiles import Profile
-from speclab.sweep import Point, atomic_write, read_meta, write_point
+from speclab.sweep import Point
 
 GROUP_ENV = "SPECLAB_ENGINE_GROUP"
 RESCORE_FILE = "rescore.parquet"
@@ -54,7 +55,7 @@ def prefix_sha(ids) -> str:
 def _subprocess(spec: dict, run_dir: Path, name: str, env_extra: dict, timeout: float) -> str | None:
     """Run `python -m speclab.multipass` on `spec`; None or the error."""
     spec_path = run_dir / "logs" / f"{name}.spec.json"
-    atomic_write(spec_path, json.dumps(spec))
+    store.atomic_write(spec_path, json.dumps(spec))
     env = {**os.environ, **env_extra, "PYTHONUNBUFFERED": "1"}
     with open(run_dir / "logs" / f"{name}.log", "wb") as log_f:
         proc = subprocess.Popen([sys.executable, "-m", "speclab.multipass", str(spec_path)],
@@ -82,9 +83,9 @@ def run_groups(profile: Profile, run_dir: Path, groups: list[Group], log=print) 
 
     run_dir = Path(run_dir)
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    atomic_write(run_dir / "profile.json", profile.model_dump_json(indent=1))
+    store.save_profile(profile, run_dir, store.stamp())
     todo = [g for g in groups
-            if any((read_meta(run_dir, p.id) or {}).get("status") != "ok" for p in g.passes)]
+            if any((store.read_meta(run_dir, p.id) or {}).get("status") != "ok" for p in g.passes)]
     if todo:
         prepare_models(profile, [g.engine_point for g in todo])
     for g in todo:
@@ -95,13 +96,13 @@ def run_groups(profile: Profile, run_dir: Path, groups: list[Group], log=print) 
                           {**profile.env, **g.engine_point.env},
                           profile.timeout_s * (1 + len(g.passes) / 4))
         for i, p in enumerate(g.passes):
-            meta = read_meta(run_dir, p.id)
+            meta = store.read_meta(run_dir, p.id)
             if meta is None or meta.get("status") != "ok":
                 log(f"group {g.name} pass {i} ({p.id}) failed: {err or 'no result'}")
                 if meta is None:
-                    write_point(run_dir, p.id, None, {
-                        "point_id": p.id, "status": "error", "point": p.model_dump(mode="json"),
-                        "engine_group": g.name, "pass_index": i, "error": err or "no result"})
+                    store.write_point(run_dir, store.PointResult(
+                        point_id=p.id, status="error", point=p.model_dump(mode="json"),
+                        engine_group=g.name, pass_index=i, error=err or "no result"))
 
 
 def rescore(profile: Profile, run_dir: Path, requests: pd.DataFrame, log=print) -> pd.DataFrame:
@@ -174,7 +175,7 @@ def _run_group(spec: dict) -> None:
                          SamplingParams(**{**sp_args, "max_tokens": profile.warmup_tokens}),
                          use_tqdm=False)
         for i, p in enumerate(passes):
-            if (read_meta(run_dir, p.id) or {}).get("status") == "ok":
+            if (store.read_meta(run_dir, p.id) or {}).get("status") == "ok":
                 continue
             started = time.time()
             defect = defects.from_env(p.env) or engine_defect
@@ -187,15 +188,15 @@ def _run_group(spec: dict) -> None:
             delta = metrics.from_snapshot(llm.get_metrics()) - before
             records = records_frame(profile, p, plist, ids, traces)
             n_out = int(records.n_output.sum())
-            write_point(run_dir, p.id, records, {
-                "point_id": p.id, "status": "ok", "point": p.model_dump(mode="json"),
-                "profile": profile.name, "engine_group": spec["name"], "pass_index": i,
-                "engine_args": args, "env": env, "defect": defects.describe(defect),
-                "counters": delta.to_dict(), "n_requests": len(records), "output_tokens": n_out,
-                "throughput_tok_s": n_out / gen_s, "versions": engine.versions(),
-                "timings": {"engine_init_s": init_s, "generate_s": gen_s},
-                "started_at": started, "finished_at": time.time(),
-                "command": " ".join(sys.argv)})
+            store.write_point(run_dir, store.PointResult(
+                point_id=p.id, status="ok", point=p.model_dump(mode="json"),
+                profile=profile.name, engine_group=spec["name"], pass_index=i,
+                engine_args=args, env=env, defect=defects.describe(defect),
+                counters=delta.to_dict(), n_requests=len(records), output_tokens=n_out,
+                throughput_tok_s=n_out / gen_s, versions=engine.versions(),
+                timings={"engine_init_s": init_s, "generate_s": gen_s},
+                started_at=started, finished_at=time.time(),
+                command=" ".join(sys.argv)), records)
 
 
 def _run_rescore(spec: dict) -> None:
@@ -225,9 +226,7 @@ def _run_rescore(spec: dict) -> None:
     old = pd.read_parquet(path) if path.exists() else None
     new = pd.concat([old, pd.DataFrame(rows)], ignore_index=True) if old is not None \
         else pd.DataFrame(rows)
-    tmp = path.with_name(f".{path.name}.tmp")
-    new.to_parquet(tmp, index=False)
-    os.replace(tmp, path)
+    store.write_parquet(path, new)
 
 
 def main(spec_path: str) -> int:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import nbformat
 
-from speclab import paths, profiles
+from speclab import paths, profiles, store
 from speclab.profiles import Profile
 
 MIME = "application/vnd.speclab.record+json"
@@ -31,10 +31,8 @@ def folders(profile: str, run_dir: str | None, figures_dir: str | None) -> tuple
 def profile_for(run_dir: Path, profile: str, overrides: dict | None, execute: bool) -> Profile:
     """The profile a notebook works with: the named one (with overrides) when it executes,
     the run's own saved profile when it only re-renders committed results."""
-    from speclab.sweep import load_profile
-
     if not execute and (Path(run_dir) / "profile.json").exists():
-        return load_profile(run_dir)
+        return store.load_profile(run_dir)
     return profiles.load(profile, overrides)
 
 

@@ -39,7 +39,8 @@ from speclab.defects import Defect
 from speclab.metrics import first_divergence
 from speclab.multipass import GROUP_ENV, Group, prefix_sha, same_engine_repeats
 from speclab.profiles import Layout, Profile
-from speclab.sweep import Point, load_profile, load_results
+from speclab.store import load_profile, load_results
+from speclab.sweep import Point
 
 KINDS = ("near-tie", "within-noise", "substantive", "unscored")
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import nbformat
 import pandas as pd
 
-from speclab import convention, paths, profiles, progress, provenance, summary, sweep
+from speclab import convention, paths, profiles, progress, provenance, store, summary
 from speclab.notebook import MIME
 
 NOTEBOOK_DIR = paths.RESOURCES / "notebooks"
@@ -50,7 +50,7 @@ def run_suite(profile: str, *, run_id: str | None = None, notebooks=SUITE,
     problems = profiles.check_env(prof) if executes else []
     if problems:
         raise profiles.ProfileError(f"profile {prof.name} cannot run here:\n  " + "\n  ".join(problems))
-    run_dir, fig_dir = sweep.run_dirs(run_id or prof.name, runs_root, figures_root)
+    run_dir, fig_dir = store.run_dirs(run_id or prof.name, runs_root, figures_root)
     nb_out = run_dir / "notebooks"
     nb_out.mkdir(parents=True, exist_ok=True)
     # headless: the explorer renders its default slice as a static figure
@@ -82,8 +82,8 @@ def run_suite(profile: str, *, run_id: str | None = None, notebooks=SUITE,
     prov = provenance.rendering(prof, profiles.resolve_path(profile),
                                 [NOTEBOOK_DIR / f"{n}.ipynb" for n in done], params, timings,
                                 time.time() - started)
-    prov["aux_convention"] = convention.run_summary(run_dir)
-    pts, _ = sweep.load_results(run_dir)  # Ray executor: points measured next to others
+    prov["aux_convention"] = convention.run_summary(store.point_metas(run_dir))
+    pts, _ = store.load_results(run_dir)  # Ray executor: points measured next to others
     prov["side_by_side"] = sorted(pts.point_id[pts.side_by_side.str.len() > 0]) \
         if "side_by_side" in pts else []
     (run_dir / "provenance.json").write_text(json.dumps(prov, indent=1, default=str))
@@ -161,7 +161,7 @@ def header_html(run_dir: Path, failure: dict | None = None) -> str:
     run_dir = Path(run_dir)
     f = run_dir / "summary.parquet"
     t = pd.read_parquet(f) if f.exists() else summary.table(run_dir)
-    prof = sweep.load_profile(run_dir) if (run_dir / "profile.json").exists() else None
+    prof = store.load_profile(run_dir) if (run_dir / "profile.json").exists() else None
     m = provenance.measured(run_dir)
     parts = ["<section id='summary' style='padding:0 1em'>",
              f"<h1>speclab report · run {html.escape(run_dir.name)}</h1>"]

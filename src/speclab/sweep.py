@@ -1,16 +1,6 @@
 """Sweeps: expand a profile's grid into points, run each in its own worker process, keep the
-results on disk one point at a time, resume by skipping finished points.
-
-Run folder layout (`run_dir`):
-    points/<point-id>.parquet   per-request records (written first, atomically)
-    points/<point-id>.json      point metadata and status (written last: the completion mark)
-    logs/<point-id>.log         the worker's stdout/stderr (timing rounds: .round<N>.log)
-    logs/<point-id>.spec.json   the worker's input (`python -m speclab.worker` reruns it)
-    superseded/<time>/          results set aside: measured with other settings, or damaged
-    .lock                       held by the one process writing into the folder
-
-A finished point is resumed only when its fingerprint (speclab.fingerprint) equals the one
-this machine and profile give now; otherwise it is set aside and measured again. Throughput
+results in the run store (speclab.store) one point at a time, resume by skipping finished
+points whose fingerprint still matches. Throughput
 comes from `timed_passes` rounds over the points (k0, k1, ..., then k0, k1, ... again), each
 round a fresh worker, so that drift in the machine's speed hits every point alike.
 """
@@ -24,16 +14,13 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
-import warnings
 from pathlib import Path
 from typing import Iterable
 
-import pandas as pd
 from pydantic import BaseModel, ConfigDict, Field
 
-from speclab import fingerprint, runlock
+from speclab import fingerprint, runlock, store
 from speclab.convention import Convention
 from speclab.profiles import Layout, Profile
 
@@ -99,152 +86,6 @@ def expand(profile: Profile) -> list[Point]:
     return list(seen.values())
 
 
-# --------------------------------------------------------------------- results on disk
-def default_run_id(profile_name: str) -> str:
-    """The run folder `speclab run`/`sweep` measure into by default: `<profile>-local`,
-    ignored by git, so a fresh clone never resumes the committed reference runs."""
-    return f"{profile_name}-local"
-
-
-def fresh_run_id(run_id: str) -> str:
-    """A new run folder name for `--fresh`: the run id plus the UTC time."""
-    return f"{run_id}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
-
-
-def run_dirs(run_id: str, runs_root: Path | None = None, figures_root: Path | None = None
-             ) -> tuple[Path, Path]:
-    """(data/runs/<run_id>, figures/<run_id>) under `paths.output_root()` or given roots."""
-    from speclab.paths import run_folders
-
-    return run_folders(run_id, runs_root, figures_root)
-
-
-
-def point_paths(run_dir: Path, point_id: str) -> tuple[Path, Path]:
-    d = Path(run_dir) / "points"
-    return d / f"{point_id}.parquet", d / f"{point_id}.json"
-
-
-def read_meta(run_dir: Path, point_id: str) -> dict | None:
-    """A point's metadata; None when it has none or its file is damaged (with a warning
-    naming the file)."""
-    meta, problem = inspect_point(run_dir, point_id, records=False)
-    if problem:
-        warnings.warn(problem, stacklevel=2)
-    return meta
-
-
-def _read_point_json(path: Path) -> tuple[dict | None, str | None]:
-    try:
-        meta = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        return None, f"{path}: unreadable point file ({type(e).__name__}: {e})"
-    missing = [k for k in ("point_id", "status") if not isinstance(meta, dict) or k not in meta]
-    if missing:
-        return None, f"{path}: damaged point file (no {', '.join(missing)})"
-    return meta, None
-
-
-def _records_problem(path: Path, meta: dict) -> str | None:
-    import pyarrow.parquet as pq
-
-    try:
-        rows = pq.read_metadata(path).num_rows
-    except Exception as e:  # noqa: BLE001 - missing, truncated, not parquet: all damaged
-        return f"{path}: unreadable records ({type(e).__name__}: {e})"
-    if meta.get("n_requests") is not None and rows != meta["n_requests"]:
-        return f"{path}: {rows} records, its point file says {meta['n_requests']}"
-    return None
-
-
-def inspect_point(run_dir: Path, point_id: str, records: bool = True
-                  ) -> tuple[dict | None, str | None]:
-    """(metadata or None, problem or None) of a point on disk. A problem names the damaged
-    file: an unreadable or incomplete JSON, or (status ok, records=True) a missing or
-    unreadable parquet."""
-    rec, path = point_paths(run_dir, point_id)
-    if not path.exists():
-        return None, None
-    meta, problem = _read_point_json(path)
-    if problem is None and records and meta["status"] == "ok":
-        problem = _records_problem(rec, meta)
-    return (None if problem else meta), problem
-
-
-def set_aside(run_dir: Path, point_id: str, stamp: str) -> Path:
-    """Move a point's files (results, logs, specs) to superseded/<stamp>/; return it."""
-    run_dir = Path(run_dir)
-    dest = run_dir / "superseded" / stamp
-    rec, meta = point_paths(run_dir, point_id)
-    for f in [rec, meta, *(run_dir / "logs").glob(f"{point_id}.*")]:
-        if f.exists():
-            dest.mkdir(parents=True, exist_ok=True)
-            os.replace(f, dest / f.name)
-    return dest
-
-
-def atomic_write(path: Path, data: bytes | str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "wb") as f:
-        f.write(data.encode() if isinstance(data, str) else data)
-    os.replace(tmp, path)
-
-
-def write_point(run_dir: Path, point_id: str, records: pd.DataFrame | None, meta: dict) -> None:
-    """Records first, metadata last: a point is finished iff its JSON exists."""
-    rec_path, meta_path = point_paths(run_dir, point_id)
-    rec_path.parent.mkdir(parents=True, exist_ok=True)
-    if records is not None:
-        fd, tmp = tempfile.mkstemp(dir=rec_path.parent, prefix=f".{rec_path.name}.")
-        os.close(fd)
-        records.to_parquet(tmp, index=False)
-        os.replace(tmp, rec_path)
-    atomic_write(meta_path, json.dumps(meta, indent=1, default=str))
-
-
-def load_profile(run_dir: Path) -> Profile:
-    """The profile a run was made with (saved by `run`)."""
-    return Profile.model_validate_json((Path(run_dir) / "profile.json").read_text())
-
-
-def results_for(run_dir: Path, points: Iterable[Point | str]
-                ) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """`load_results` restricted to the given points (or point ids)."""
-    ids = {p if isinstance(p, str) else p.id for p in points}
-    pts, recs = load_results(run_dir)
-    if len(pts):
-        pts = pts[pts.point_id.isin(ids)]
-    if len(recs):
-        recs = recs[recs.point_id.isin(ids)]
-    return pts, recs
-
-
-def load_results(run_dir: Path) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """(points, records) of a run: one row per point (metadata flattened) and one per request.
-
-    A damaged file is named in a warning and never passes as ok: an unreadable point JSON is
-    left out, an ok point whose records cannot be read gets status "damaged"."""
-    metas, recs = [], []
-    for meta_path in sorted((Path(run_dir) / "points").glob("[!.]*.json")):
-        meta, problem = _read_point_json(meta_path)
-        if problem:
-            warnings.warn(problem + "; left out", stacklevel=2)
-            continue
-        rec = meta_path.with_suffix(".parquet")
-        if meta["status"] == "ok":
-            try:
-                recs.append(pd.read_parquet(rec))
-            except Exception as e:  # noqa: BLE001 - missing, truncated, not parquet
-                problem = f"{rec}: unreadable records ({type(e).__name__}: {e})"
-                warnings.warn(problem + "; point marked damaged", stacklevel=2)
-                meta = {**meta, "status": "damaged", "error": problem}
-        metas.append(meta)
-    points = pd.json_normalize(metas) if metas else pd.DataFrame()
-    records = pd.concat(recs, ignore_index=True) if recs else pd.DataFrame()
-    return points, records
-
-
 # --------------------------------------------------------------------- running
 def run(profile: Profile, run_dir: Path, points: Iterable[Point] | None = None, *,
         retry_failed: bool = True, progress: bool = True, log=print) -> list[dict]:
@@ -272,13 +113,13 @@ def run(profile: Profile, run_dir: Path, points: Iterable[Point] | None = None, 
         (run_dir / "points").mkdir(parents=True, exist_ok=True)
         (run_dir / "logs").mkdir(exist_ok=True)
         prepare_models(profile, points)
-        stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
-        _save_profile(profile, run_dir, stamp)
+        stamp = store.stamp()
+        store.save_profile(profile, run_dir, stamp)
         where = executors.placement(profile)
         fps = {p.id: fingerprint.of_point(profile, p, placement=where) for p in points}
         todo = {p.id for p in points
-                if _needs_run(run_dir, p.id, fps[p.id], retry_failed, stamp, log)}
-        results = {p.id: read_meta(run_dir, p.id) for p in points if p.id not in todo}
+                if store.needs_run(run_dir, p.id, fps[p.id], stamp, log, retry_failed)}
+        results = {p.id: store.read_meta(run_dir, p.id) for p in points if p.id not in todo}
         if progress and results:
             log(f"{prog.PREFIX} sweep {profile.name}: {len(results)} of {len(points)} points "
                 "measured earlier with these settings, kept")
@@ -302,35 +143,6 @@ def run(profile: Profile, run_dir: Path, points: Iterable[Point] | None = None, 
     return [results[p.id] for p in points]
 
 
-def _save_profile(profile: Profile, run_dir: Path, stamp: str) -> None:
-    """Write profile.json; a different one already there is kept under superseded/."""
-    path = run_dir / "profile.json"
-    new = profile.model_dump_json(indent=1)
-    if path.exists() and path.read_text() != new:
-        dest = run_dir / "superseded" / stamp
-        dest.mkdir(parents=True, exist_ok=True)
-        os.replace(path, dest / "profile.json")
-    atomic_write(path, new)
-
-
-def _needs_run(run_dir: Path, point_id: str, fp: dict, retry_failed: bool, stamp: str,
-               log) -> bool:
-    meta, problem = inspect_point(run_dir, point_id)
-    if problem:
-        dest = set_aside(run_dir, point_id, stamp)
-        log(f"point {point_id}: {problem}; moved to {dest}, measuring again")
-        return True
-    if meta is None:
-        return True
-    if meta.get("fingerprint", {}).get("digest") != fp["digest"]:
-        why = fingerprint.diff(meta.get("fingerprint"), fp)
-        dest = set_aside(run_dir, point_id, stamp)
-        log(f"point {point_id}: not measured with these settings on this machine ({why}); "
-            f"previous result moved to {dest}, measuring again")
-        return True
-    return meta["status"] != "ok" and retry_failed
-
-
 def prepare_models(profile: Profile, points: list[Point]) -> None:
     """Build the profile's fixtures here, once, before any worker starts (a build can take
     minutes and must not count against a point's timeout or repeat in every worker)."""
@@ -345,7 +157,7 @@ def prepare_models(profile: Profile, points: list[Point]) -> None:
 def _worker(profile: Profile, point: Point, spec: dict, spec_path: Path, log_path: Path
             ) -> str | None:
     """Run the worker process on spec; return None, or why it did not finish."""
-    atomic_write(spec_path, json.dumps(spec))
+    store.atomic_write(spec_path, json.dumps(spec))
     env = {**os.environ, **profile.env, **point.env, "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, "-m", WORKER, str(spec_path)]
     with open(log_path, "wb") as log_f:
@@ -374,21 +186,20 @@ def run_point(profile: Profile, point: Point, run_dir: Path, fp: dict | None = N
     log_path = run_dir / "logs" / f"{point.id}.log"
     t0 = time.time()
     error = _worker(profile, point, spec, spec_path, log_path)
-    meta, problem = inspect_point(run_dir, point.id)
+    meta, problem = store.inspect_point(run_dir, point.id)
     fresh = meta is not None and meta.get("started_at", 0) >= t0 - 1
     if fresh and (error is None or meta["status"] == "error"):
         if meta["status"] == "error" and "root_cause" not in meta:
             meta["root_cause"] = root_cause(log_path)  # e.g. from vLLM's engine-core process
-            write_point(run_dir, point.id, None, meta)
+            store.write_point(run_dir, store.PointResult.model_validate(meta))
         return meta
-    meta = {
-        "point_id": point.id, "status": "error", "point": point.model_dump(mode="json"),
-        "error": error or problem or "worker wrote no result",
-        "root_cause": root_cause(log_path), "log_tail": _tail(log_path),
-        "wall_s": time.time() - t0, "fingerprint": fp, "sampling": fp["parts"]["sampling"],
-    }
-    write_point(run_dir, point.id, None, meta)
-    return meta
+    result = store.PointResult(
+        point_id=point.id, status="error", point=point.model_dump(mode="json"),
+        error=error or problem or "worker wrote no result",
+        root_cause=root_cause(log_path), log_tail=_tail(log_path),
+        wall_s=time.time() - t0, fingerprint=fp, sampling=fp["parts"]["sampling"])
+    store.write_point(run_dir, result)
+    return result.model_dump(exclude_unset=True)
 
 
 def timing_round(profile: Profile, point: Point, run_dir: Path, rnd: int, log=print) -> dict:
@@ -396,7 +207,7 @@ def timing_round(profile: Profile, point: Point, run_dir: Path, rnd: int, log=pr
     appended to the point's `passes`; its throughput becomes their mean. A failed round is
     logged and kept under `pass_errors`; the point's results stay."""
     run_dir = Path(run_dir)
-    meta = read_meta(run_dir, point.id)
+    meta = store.read_meta(run_dir, point.id)
     stem = run_dir / "logs" / f"{point.id}.round{rnd}"  # beside round 1's files, not over them
     out = Path(f"{stem}.json")
     out.unlink(missing_ok=True)
@@ -418,7 +229,7 @@ def timing_round(profile: Profile, point: Point, run_dir: Path, rnd: int, log=pr
     else:
         meta["passes"] = [*meta.get("passes", []), passed]
         meta["throughput_tok_s"] = sum(p["tok_s"] for p in meta["passes"]) / len(meta["passes"])
-    atomic_write(point_paths(run_dir, point.id)[1], json.dumps(meta, indent=1, default=str))
+    store.write_point(run_dir, store.PointResult.model_validate(meta))
     return meta
 
 

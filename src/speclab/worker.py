@@ -1,7 +1,7 @@
 """Worker process for one sweep point: `python -m speclab.worker SPEC.json`.
 
 Loads the engine, warms it up, generates stepwise, and writes the point's records and
-metadata (sweep.write_point). Runs in its own process so GPU memory, crashes and hangs stay
+metadata (store.write_point). Runs in its own process so GPU memory, crashes and hangs stay
 contained; the parent (sweep.run_point) sets the environment before Python starts. A spec
 with mode "timing" only times one more pass (sweep.timing_round). The worker ends its whole
 process group when its parent dies (no orphan keeps a GPU)."""
@@ -22,9 +22,9 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from speclab import convention, engine, fingerprint, metrics, prompts
+from speclab import convention, engine, fingerprint, metrics, prompts, store
 from speclab.profiles import Profile, prompt_file, resolve_model
-from speclab.sweep import Point, write_point
+from speclab.sweep import Point
 
 
 def records_frame(profile: Profile, point: Point, plist, prompt_ids, traces) -> pd.DataFrame:
@@ -210,14 +210,14 @@ def main(spec_path: str) -> int:
         )
         t["harness_s"] += time.perf_counter() - h3
         meta.update(timings=t, finished_at=time.time(), wall_s=time.time() - started)
-        write_point(run_dir, point.id, records, meta)
+        store.write_point(run_dir, store.PointResult.model_validate(meta), records)
         return 0
     except Exception as e:  # recorded, the sweep goes on
         if timing:
             raise
         meta.update(error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc(),
                     timings=t, wall_s=time.time() - started)
-        write_point(run_dir, point.id, None, meta)
+        store.write_point(run_dir, store.PointResult.model_validate(meta))
         traceback.print_exc()
         return 1
 

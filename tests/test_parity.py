@@ -5,8 +5,7 @@ import pandas as pd
 import pytest
 
 from speclab import parity, store
-from speclab.profiles import Layout, Profile
-from speclab.sweep import Point
+from speclab.profiles import Layout, Point, Profile
 
 
 def _rec(pid, ids, margin=None, runner_up=None, cat="c"):

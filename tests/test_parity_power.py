@@ -9,8 +9,7 @@ import torch
 
 from speclab import defects, multipass, notebook, parity
 from speclab.fixtures import neartie
-from speclab.profiles import Profile
-from speclab.sweep import Point
+from speclab.profiles import Point, Profile
 
 
 def _rec(point, pid, ids, margin=None, runner_up=None, k=0):

@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 from speclab import executor_ray, executors, profiles, store, sweep
-from speclab.sweep import Point
+from speclab.profiles import Point
 
 OVER = {"prompts": {"limit": 4}, "max_tokens": 16, "grid": {"num_speculative_tokens": [0, 2]},
         "ray": {"resource": "GPU"}, "timed_passes": 2}
@@ -71,9 +71,8 @@ class LocalCluster:
     multi-node tests use); a node is killed by the pids of its processes."""
 
     def __init__(self):
-        from ray.cluster_utils import Cluster
-
         from ray._common.utils import get_default_ray_temp_dir
+        from ray.cluster_utils import Cluster
 
         self.temp = tempfile.mkdtemp(prefix="rt", dir="/tmp")  # socket paths must be short
         # Ray 2.60 writes the head's address under its default temp dir even when given

@@ -10,8 +10,7 @@ import pytest
 import yaml
 
 from speclab import metrics, notebook, report, server
-from speclab.profiles import REPO, load
-from speclab.sweep import Point
+from speclab.profiles import REPO, Point, load
 
 pytestmark = pytest.mark.vllm
 

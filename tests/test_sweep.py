@@ -21,7 +21,7 @@ pytestmark = pytest.mark.vllm
 SCRIPT = """
 import sys
 from speclab import profiles, sweep
-from speclab.sweep import Point
+from speclab.profiles import Point
 prof = profiles.load(sys.argv[1])
 pts = sweep.expand(prof) + [Point(k=0, engine={"max_model_len": 10 ** 9})]
 sweep.run(prof, sys.argv[2], pts, retry_failed=sys.argv[3] == "retry", progress=False)

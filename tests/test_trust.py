@@ -18,17 +18,16 @@ import numpy as np
 import pytest
 import yaml
 
-from speclab import analysis, cli, fingerprint, profiles, runlock, server, store, sweep
-from speclab.profiles import REPO
-from speclab.sweep import Point
+from speclab import analysis, cli, fingerprint, launch, profiles, runlock, server, store, sweep
+from speclab.profiles import REPO, Point
 
 TESTS = Path(__file__).parent
 SRC = REPO / "src"
 CLI = f"""
 import sys
 sys.path.insert(0, {str(TESTS)!r})
-from speclab import cli, sweep
-sweep.WORKER = "trust_worker"
+from speclab import cli, launch
+launch.WORKER = "trust_worker"
 sys.exit(cli.main(sys.argv[1:]))
 """
 
@@ -51,7 +50,7 @@ def prof_path(tmp_path) -> Path:
 @pytest.fixture()
 def fake(monkeypatch, tmp_path) -> Path:
     """Sweeps in this process and their children use the stand-in worker; returns its log."""
-    monkeypatch.setattr(sweep, "WORKER", "trust_worker")
+    monkeypatch.setattr(launch, "WORKER", "trust_worker")
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
         [str(TESTS), str(SRC), os.environ.get("PYTHONPATH", "")]))
     log = tmp_path / "worker.log"
@@ -295,8 +294,8 @@ def test_notebook_kernel_of_the_holder_passes_through_the_lock(tmp_path):
 SWEEP = f"""
 import sys
 sys.path.insert(0, {str(TESTS)!r})
-from speclab import profiles, sweep
-sweep.WORKER = sys.argv[3]
+from speclab import launch, profiles, sweep
+launch.WORKER = sys.argv[3]
 sweep.run(profiles.load(sys.argv[1]), sys.argv[2], progress=False)
 """
 
@@ -330,6 +329,30 @@ def test_the_real_worker_dies_with_its_parent(tmp_path, fixture_cache):
     parent.kill()
     parent.wait()
     assert wait_for(lambda: not processes_naming(worker), 3), "the worker outlived its parent"
+
+
+GROUPS = """
+import sys
+from speclab import multipass, profiles
+from speclab.profiles import Point
+multipass.run_groups(profiles.load("tiny-cpu"), sys.argv[1],
+                     [multipass.same_engine_repeats("noise", Point(k=0), 2)])
+"""
+
+
+@pytest.mark.vllm
+def test_a_multipass_engine_dies_with_its_parent(tmp_path, fixture_cache):
+    """A killed notebook (here: the process running a parity group) leaves no engine."""
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(SRC), "SPECLAB_CACHE": str(fixture_cache.parent)}
+    parent = subprocess.Popen([sys.executable, "-c", GROUPS, str(run_dir)], env=env)
+    engine = f"{run_dir}/logs/group-noise.spec.json"
+    assert wait_for(lambda: processes_naming(engine), 300), "no engine process started"
+    time.sleep(3)
+    assert processes_naming(engine), "the engine process ended before its parent was killed"
+    parent.kill()
+    parent.wait()
+    assert wait_for(lambda: not processes_naming(engine), 5), "the engine outlived its parent"
 
 
 # --------------------------------------------------------------------- early checks

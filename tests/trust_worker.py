@@ -1,5 +1,5 @@
 """Stand-in for `speclab.worker` in the trust tests: keeps the worker's contract (tied to its
-parent by `worker.guard_parent`; writes the point's records and metadata, or a timing round's
+parent by `launch.guard_parent`; writes the point's records and metadata, or a timing round's
 pass) without loading an engine, so sweeps run in seconds.
 
 Environment: TRUST_LOG appends "<point id> <mode> <round>" per start; TRUST_SLEEP waits that
@@ -15,16 +15,14 @@ from pathlib import Path
 
 import pandas as pd
 
-from speclab import fingerprint, store
-from speclab.profiles import Profile
-from speclab.sweep import Point
-from speclab.worker import guard_parent
+from speclab import fingerprint, launch, store
+from speclab.profiles import Point, Profile
 
 
 def main(spec_path: str) -> int:
     started = time.time()
     spec = json.loads(Path(spec_path).read_text())
-    if not guard_parent(spec):
+    if not launch.guard_parent(spec):
         return 1
     profile = Profile.model_validate(spec["profile"])
     point = Point.model_validate(spec["point"])

@@ -145,7 +145,7 @@ def cmd_sweep(a) -> int:
     problems = profiles.check_env(prof)
     if problems:
         raise profiles.ProfileError("\n".join(problems))
-    points = sweep.expand(prof)
+    points = profiles.expand(prof)
     if a.with_parity:
         points += parity.points_of(parity.plan(prof, prof.parity.arms,
                                                k_values=prof.parity.k_values,
@@ -165,13 +165,13 @@ def cmd_sweep(a) -> int:
 
 
 def cmd_profile(a) -> int:
-    from speclab import engine, profiles, sweep
+    from speclab import engine, profiles
 
     if a.action == "list":
         print("\n".join(profiles.available()))
         return 0
     prof = profiles.load(a.name)
-    points = sweep.expand(prof)
+    points = profiles.expand(prof)
     print(f"profile {prof.name}: valid ({len(points)} points)")
     print(f"  {prof.description}".rstrip())
     seen = set()

@@ -18,7 +18,7 @@ import matplotlib.ticker
 import pandas as pd
 
 from speclab import analysis, metrics, parity, store
-from speclab.sweep import Point
+from speclab.profiles import Point
 
 # Dimensions a slice fixes (besides k, which the per-position panel picks).
 DIMS = ("kv_cache_dtype", "draft_kv_cache_dtype", "layout", "prompt_format", "category",

@@ -15,8 +15,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import signal
-import subprocess
 import sys
 import time
 import traceback
@@ -25,9 +23,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from speclab import store
-from speclab.profiles import Profile
-from speclab.sweep import Point
+from speclab import launch, store
+from speclab.profiles import Point, Profile
 
 GROUP_ENV = "SPECLAB_ENGINE_GROUP"
 RESCORE_FILE = "rescore.parquet"
@@ -52,42 +49,21 @@ def prefix_sha(ids) -> str:
     return hashlib.sha1(json.dumps([int(i) for i in ids]).encode()).hexdigest()[:16]
 
 
-def _subprocess(spec: dict, run_dir: Path, name: str, env_extra: dict, timeout: float) -> str | None:
-    """Run `python -m speclab.multipass` on `spec`; None or the error."""
-    spec_path = run_dir / "logs" / f"{name}.spec.json"
-    store.atomic_write(spec_path, json.dumps(spec))
-    env = {**os.environ, **env_extra, "PYTHONUNBUFFERED": "1"}
-    with open(run_dir / "logs" / f"{name}.log", "wb") as log_f:
-        proc = subprocess.Popen([sys.executable, "-m", "speclab.multipass", str(spec_path)],
-                                stdout=log_f, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True)
-        try:
-            rc = proc.wait(timeout=timeout)
-            return None if rc == 0 else f"exited with {rc}"
-        except BaseException as e:
-            for sig in (signal.SIGTERM, signal.SIGKILL):
-                try:
-                    os.killpg(proc.pid, sig)
-                    proc.wait(timeout=10)
-                    break
-                except (ProcessLookupError, subprocess.TimeoutExpired):
-                    continue
-            if isinstance(e, subprocess.TimeoutExpired):
-                return f"timeout after {timeout:.0f} s"
-            raise
+def _subprocess(spec: dict, run_dir: Path, name: str, env: dict, timeout: float) -> str | None:
+    """Run `python -m speclab.multipass` on `spec` (launch.run_module); None or the error."""
+    return launch.run_module("speclab.multipass", spec, run_dir / "logs" / f"{name}.spec.json",
+                             run_dir / "logs" / f"{name}.log", env, timeout)
 
 
 def run_groups(profile: Profile, run_dir: Path, groups: list[Group], log=print) -> None:
     """Run every group with an unfinished pass (finished passes are kept and skipped)."""
-    from speclab.sweep import prepare_models
-
     run_dir = Path(run_dir)
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     store.save_profile(profile, run_dir, store.stamp())
     todo = [g for g in groups
             if any((store.read_meta(run_dir, p.id) or {}).get("status") != "ok" for p in g.passes)]
     if todo:
-        prepare_models(profile, [g.engine_point for g in todo])
+        launch.prepare_models(profile, [g.engine_point for g in todo])
     for g in todo:
         spec = {"job": "group", "profile": profile.model_dump(mode="json"),
                 "engine_point": g.engine_point.model_dump(mode="json"), "name": g.name,
@@ -121,9 +97,7 @@ def rescore(profile: Profile, run_dir: Path, requests: pd.DataFrame, log=print) 
     g = profile.grid
     base = Point(k=0, kv_cache_dtype=g.kv_cache_dtype[0], layout=g.layout[0],
                  prompt_format=g.prompt_format[0])
-    from speclab.sweep import prepare_models
-
-    prepare_models(profile, [base])
+    launch.prepare_models(profile, [base])
     spec = {"job": "rescore", "profile": profile.model_dump(mode="json"),
             "engine_point": base.model_dump(mode="json"), "run_dir": str(run_dir),
             "requests": [{"prompt_id": r.prompt_id, "position": int(r.position),
@@ -231,6 +205,8 @@ def _run_rescore(spec: dict) -> None:
 
 def main(spec_path: str) -> int:
     spec = json.loads(Path(spec_path).read_text())
+    if not launch.guard_parent(spec):
+        return 1
     try:
         (_run_group if spec["job"] == "group" else _run_rescore)(spec)
         return 0

@@ -38,9 +38,8 @@ import pandas as pd
 from speclab.defects import Defect
 from speclab.metrics import first_divergence
 from speclab.multipass import GROUP_ENV, Group, prefix_sha, same_engine_repeats
-from speclab.profiles import Layout, Profile
+from speclab.profiles import Layout, Point, Profile
 from speclab.store import load_profile, load_results
-from speclab.sweep import Point
 
 KINDS = ("near-tie", "within-noise", "substantive", "unscored")
 

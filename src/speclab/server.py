@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -29,9 +28,8 @@ from typing import Iterator
 import httpx
 import pandas as pd
 
-from speclab import convention, engine, fingerprint, metrics, prompts, runlock, store
-from speclab.profiles import Profile, prompt_file, resolve_model
-from speclab.sweep import Point, _tail
+from speclab import convention, engine, fingerprint, launch, metrics, prompts, runlock, store
+from speclab.profiles import Point, Profile, prompt_file, resolve_model
 
 SERVED_NAME = "speclab"
 
@@ -75,32 +73,17 @@ def free_port() -> int:
 def running_server(args: dict, env: dict[str, str], log_path: Path, *,
                    startup_timeout: float = 600) -> Iterator[str]:
     """A `vllm serve` process on loopback; yields its base URL. The process group is stopped
-    on exit whatever happens (SIGINT, then SIGTERM, then SIGKILL)."""
+    on exit whatever happens (launch.stop: SIGINT, then SIGTERM, then SIGKILL)."""
     port = free_port()
     cmd = serve_command(args, port)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "wb") as log:
         log.write((" ".join(cmd) + "\n").encode())
         log.flush()
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                env={**os.environ, **env}, start_new_session=True,
-                                preexec_fn=_term_with_parent)
-        try:
+        with launch.child(cmd, log, {**os.environ, **env}, interrupt_s=30) as proc:
             url = f"http://127.0.0.1:{port}"
             _wait_healthy(proc, url, startup_timeout, log_path)
             yield url
-        finally:
-            stop(proc)
-
-
-_PRCTL = getattr(__import__("ctypes").CDLL(None), "prctl", None)
-
-
-def _term_with_parent() -> None:
-    """In the server's process before exec: SIGTERM it when this process dies (Linux), so a
-    killed sweep leaves no server holding a GPU."""
-    if _PRCTL is not None:
-        _PRCTL(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
 
 
 def _wait_healthy(proc: subprocess.Popen, url: str, timeout: float, log_path: Path) -> None:
@@ -116,24 +99,6 @@ def _wait_healthy(proc: subprocess.Popen, url: str, timeout: float, log_path: Pa
             pass
         time.sleep(1)
     raise TimeoutError(f"vllm serve not healthy after {timeout:.0f} s")
-
-
-def stop(proc: subprocess.Popen) -> None:
-    """Stop a server's whole process group (engine core and workers included)."""
-    for sig, wait in ((signal.SIGINT, 30), (signal.SIGTERM, 15), (signal.SIGKILL, 10)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            break
-        try:
-            proc.wait(timeout=wait)
-            break
-        except subprocess.TimeoutExpired:
-            continue
-    try:  # stragglers of the group (workers that outlived the parent)
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
 
 
 def scrape(url: str) -> metrics.SpecCounters:
@@ -280,7 +245,7 @@ def _serve_levels(profile: Profile, point: Point, run_dir: Path, todo: list[int]
         for c in left:
             store.write_point(run_dir, store.PointResult(
                 **base, point_id=level_id(point, c), concurrency=c, error=error,
-                log_tail=_tail(log_path), wall_s=time.time() - started))
+                log_tail=launch.tail(log_path), wall_s=time.time() - started))
 
 
 def _measure_level(url: str, profile: Profile, point: Point, run_dir: Path, plist, reqs,

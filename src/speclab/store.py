@@ -260,15 +260,16 @@ def write_parquet(path: Path, frame: pd.DataFrame) -> None:
 
 
 def write_point(run_dir: Path, result: PointResult, records: pd.DataFrame | None = None
-                ) -> None:
+                ) -> dict:
     """Records first, metadata last (a point is finished iff its JSON exists); both are
-    written in full before either replaces what was there."""
+    written in full before either replaces what was there. Returns the metadata written."""
     rec_path, meta_path = point_paths(run_dir, result.point_id)
     meta = {"schema_version": result.schema_version, **result.model_dump(exclude_unset=True)}
     files = [(meta_path, _bytes_writer(json.dumps(meta, indent=1, default=str)))]
     if records is not None:
         files.insert(0, (rec_path, lambda tmp: records.to_parquet(tmp, index=False)))
     _write_via_temp(*files)
+    return meta
 
 
 def set_aside(run_dir: Path, point_id: str, when: str) -> Path:

@@ -17,9 +17,9 @@ import numpy as np
 import pandas as pd
 
 from speclab import analysis, metrics, parity
+from speclab.profiles import Point
 from speclab.provenance import hardware
 from speclab.store import load_profile, load_results
-from speclab.sweep import Point
 
 N_BOOT = 1000
 AL_METHOD = (f"AL = 1 + accepted/drafts from per-request counters; 95% percentile bootstrap "

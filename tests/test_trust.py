@@ -156,6 +156,40 @@ def test_make_report_measures_into_its_own_ignored_folder(prof_path, monkeypatch
             assert ignored.returncode == 0, f"{path}: the main job's output is not ignored"
 
 
+def _fake_group(ran: list):
+    """Stands in for the multipass child: writes every pass it finds missing, with the
+    fingerprint the parent sent."""
+    import pandas as pd
+
+    def run(spec, run_dir, name, env, timeout):
+        ran.append(name)
+        for i, p in enumerate(spec["passes"]):
+            pid = Point.model_validate(p).id
+            if store.read_meta(run_dir, pid) is None:
+                store.write_point(run_dir, store.PointResult(
+                    point_id=pid, status="ok", point=p, engine_group=spec["name"], pass_index=i,
+                    n_requests=1, fingerprint=spec.get("fingerprints", {}).get(pid)),
+                    pd.DataFrame({"x": [1]}))
+    return run
+
+
+def test_multipass_resume_measures_passes_with_changed_settings_again(prof_path, tmp_path,
+                                                                      monkeypatch):
+    from speclab import multipass
+
+    run_dir, ran, msgs = tmp_path / "run", [], []
+    monkeypatch.setattr(multipass, "_subprocess", _fake_group(ran))
+    group = multipass.same_engine_repeats("noise", Point(k=0), 2)
+    multipass.run_groups(profiles.load(prof_path), run_dir, [group], log=msgs.append)
+    multipass.run_groups(profiles.load(prof_path), run_dir, [group], log=msgs.append)
+    assert ran == ["group-noise"] and not msgs, "an unchanged group ran again"
+    multipass.run_groups(profiles.load(prof_path, {"max_tokens": 48}), run_dir, [group],
+                         log=msgs.append)
+    assert ran == ["group-noise"] * 2, "changed settings reused the earlier passes"
+    assert len(msgs) == 2 and all("sampling.max_tokens 16 -> 48" in m for m in msgs), msgs
+    assert len(list((run_dir / "superseded").glob("*/k0_*.json"))) == 2
+
+
 # --------------------------------------------------------------------- timing rounds
 def test_timed_passes_run_in_rounds_over_the_points(prof_path, tmp_path, fake):
     run_dir = tmp_path / "run"
@@ -288,6 +322,25 @@ def test_notebook_kernel_of_the_holder_passes_through_the_lock(tmp_path):
             env={k: v for k, v in {**os.environ, "PYTHONPATH": str(SRC)}.items()
                  if k != runlock.ENV})
         assert stranger.returncode != 0 and "in use by pid" in stranger.stderr
+
+
+def test_multipass_groups_and_rescoring_take_the_run_lock(prof_path, tmp_path):
+    run_dir = tmp_path / "run"
+    code = ("import sys; import pandas as pd; from speclab import multipass, profiles\n"
+            "prof = profiles.load(sys.argv[2])\n"
+            "for job in (lambda: multipass.run_groups(prof, sys.argv[1], []),\n"
+            "            lambda: multipass.rescore(prof, sys.argv[1], pd.DataFrame(\n"
+            "                {'prompt_id': [], 'position': [], 'prefix': []}))):\n"
+            "    try:\n"
+            "        job()\n"
+            "    except Exception as e:\n"
+            "        print(type(e).__name__)\n")
+    with runlock.hold(run_dir):
+        out = subprocess.run(
+            [sys.executable, "-c", code, str(run_dir), str(prof_path)], capture_output=True,
+            text=True, env={k: v for k, v in {**os.environ, "PYTHONPATH": str(SRC)}.items()
+                            if k != runlock.ENV})
+    assert out.stdout.split() == ["RunLocked", "RunLocked"], out.stdout + out.stderr
 
 
 # --------------------------------------------------------------------- parent killed

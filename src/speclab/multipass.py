@@ -5,9 +5,10 @@ no plain pass saw.
 A `Group` is one engine (`engine_point`: its configuration, and any defect that must exist
 before the model loads) and the passes it runs, each recorded as its own point of the run
 folder in the sweep's format (`points/<id>.parquet|json`, metadata `engine_group` and
-`pass_index`), so `store.load_results` reads them with the rest. Plain passes request top-2
-logprobs in the pass itself. `python -m speclab.multipass SPEC.json` runs one group (or one
-rescoring job) in a fresh process, like `speclab.worker`.
+`pass_index`), so `store.load_results` reads them with the rest; a pass is resumed only
+when its fingerprint still matches, like a sweep point. Plain passes request top-2 logprobs
+in the pass itself. `python -m speclab.multipass SPEC.json` runs one group (or one rescoring
+job) in a fresh process tied to its parent (speclab.launch), like `speclab.worker`.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from speclab import launch, store
+from speclab import fingerprint, launch, runlock, store
 from speclab.profiles import Point, Profile
 
 GROUP_ENV = "SPECLAB_ENGINE_GROUP"
@@ -56,18 +57,28 @@ def _subprocess(spec: dict, run_dir: Path, name: str, env: dict, timeout: float)
 
 
 def run_groups(profile: Profile, run_dir: Path, groups: list[Group], log=print) -> None:
-    """Run every group with an unfinished pass (finished passes are kept and skipped)."""
+    """Run every group with a pass to measure, holding the run folder's lock: a pass is kept
+    only when it finished with this machine's and profile's fingerprint (mode "multipass");
+    otherwise it is set aside with one line saying why (`store.needs_run`)."""
     run_dir = Path(run_dir)
-    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    store.save_profile(profile, run_dir, store.stamp())
-    todo = [g for g in groups
-            if any((store.read_meta(run_dir, p.id) or {}).get("status") != "ok" for p in g.passes)]
-    if todo:
-        launch.prepare_models(profile, [g.engine_point for g in todo])
+    with runlock.hold(run_dir, log):
+        _run_groups(profile, run_dir, groups, log)
+
+
+def _run_groups(profile: Profile, run_dir: Path, groups: list[Group], log) -> None:
+    stamp = store.stamp()
+    store.save_profile(profile, run_dir, stamp)
+    if groups:
+        launch.prepare_models(profile, [g.engine_point for g in groups])
+    fps = {p.id: fingerprint.of_point(profile, p, mode="multipass")
+           for g in groups for p in g.passes}
+    todo = [g for g in groups  # every pass is checked: a changed one is set aside
+            if any([store.needs_run(run_dir, p.id, fps[p.id], stamp, log) for p in g.passes])]
     for g in todo:
         spec = {"job": "group", "profile": profile.model_dump(mode="json"),
                 "engine_point": g.engine_point.model_dump(mode="json"), "name": g.name,
-                "passes": [p.model_dump(mode="json") for p in g.passes], "run_dir": str(run_dir)}
+                "passes": [p.model_dump(mode="json") for p in g.passes], "run_dir": str(run_dir),
+                "fingerprints": {p.id: fps[p.id] for p in g.passes}}
         err = _subprocess(spec, run_dir, f"group-{g.name}",
                           {**profile.env, **g.engine_point.env},
                           profile.timeout_s * (1 + len(g.passes) / 4))
@@ -78,14 +89,21 @@ def run_groups(profile: Profile, run_dir: Path, groups: list[Group], log=print) 
                 if meta is None:
                     store.write_point(run_dir, store.PointResult(
                         point_id=p.id, status="error", point=p.model_dump(mode="json"),
-                        engine_group=g.name, pass_index=i, error=err or "no result"))
+                        engine_group=g.name, pass_index=i, error=err or "no result",
+                        fingerprint=fps[p.id]))
 
 
 def rescore(profile: Profile, run_dir: Path, requests: pd.DataFrame, log=print) -> pd.DataFrame:
     """Top-1/top-2 margins of the plain engine after given prefixes (prompt_id, position,
     prefix: the output token ids before position), one token each with logprobs; appended to
-    the run's `rescore.parquet` (returned whole). Prefixes already there are not rerun."""
+    the run's `rescore.parquet` (returned whole). Prefixes already there are not rerun.
+    Holds the run folder's lock."""
     run_dir = Path(run_dir)
+    with runlock.hold(run_dir, log):
+        return _rescore(profile, run_dir, requests, log)
+
+
+def _rescore(profile: Profile, run_dir: Path, requests: pd.DataFrame, log) -> pd.DataFrame:
     path = run_dir / RESCORE_FILE
     have = pd.read_parquet(path) if path.exists() else pd.DataFrame(
         columns=["prompt_id", "position", "prefix_sha", "margin", "top1", "runner_up"])
@@ -169,8 +187,8 @@ def _run_group(spec: dict) -> None:
                 counters=delta.to_dict(), n_requests=len(records), output_tokens=n_out,
                 throughput_tok_s=n_out / gen_s, versions=engine.versions(),
                 timings={"engine_init_s": init_s, "generate_s": gen_s},
-                started_at=started, finished_at=time.time(),
-                command=" ".join(sys.argv)), records)
+                started_at=started, finished_at=time.time(), command=" ".join(sys.argv),
+                fingerprint=spec["fingerprints"][p.id]), records)
 
 
 def _run_rescore(spec: dict) -> None:

@@ -457,6 +457,31 @@ def test_unknown_notebook_refused_before_the_run_folder_exists(prof_path, tmp_pa
     assert not run_dir.exists()
 
 
+def test_an_only_that_matches_nothing_is_refused(prof_path, tmp_path, capsys):
+    run_dir = tmp_path / "never"
+    assert cli.main(["sweep", "--profile", str(prof_path), "--run-id", str(run_dir),
+                     "--only", "k9_*"]) == 2
+    err = capsys.readouterr().err
+    assert "--only k9_*: matches none of the 2 points (k0_kv-auto_tp1_raw, " in err, err
+    assert not run_dir.exists()
+
+
+def test_a_run_folder_that_cannot_be_written_is_one_line(prof_path, capsys):
+    assert cli.main(["sweep", "--profile", str(prof_path),
+                     "--run-id", "/sys/kernel/speclab-test/run"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("speclab: error: ") and "'/sys/kernel/speclab-test" in err, err
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+
+
+def test_the_resume_line_repeats_the_override(prof_path):
+    a = cli.build_parser().parse_args(["sweep", "--profile", str(prof_path), "--run-id", "r",
+                                       "--override", "{prompts: {limit: 4}}"])
+    cli._run_id(a, profiles.load(prof_path, {"prompts": {"limit": 4}}))
+    assert a.resume.endswith(f"`speclab sweep --profile {prof_path} --run-id r "
+                             "--override '{prompts: {limit: 4}}'`"), a.resume
+
+
 @pytest.mark.parametrize("levels", ["0", "-1", "1,0", "x"])
 def test_concurrency_below_one_is_refused_before_anything_starts(prof_path, tmp_path, capsys,
                                                                  levels):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import signal
 import sys
 import time
@@ -73,8 +74,10 @@ def _run_id(a, prof) -> str:
     run_id = a.run_id or store.default_run_id(prof.name)
     if a.fresh:
         run_id = store.fresh_run_id(run_id)
+    again = f"speclab {a.cmd} --profile {a.profile} --run-id {run_id}" + (
+        f" --override {shlex.quote(a.override)}" if a.override else "")
     a.resume = (f"finished points are kept in {store.run_dirs(run_id)[0]}; resume with "
-                f"`speclab {a.cmd} --profile {a.profile} --run-id {run_id}`")
+                f"`{again}`")
     return run_id
 
 
@@ -152,7 +155,11 @@ def cmd_sweep(a) -> int:
                                                spec_k=prof.parity.spec_k))
     points = list({p.id: p for p in points}.values())
     if a.only:
-        points = [p for p in points if any(fnmatch.fnmatch(p.id, g) for g in a.only.split(","))]
+        chosen = [p for p in points if any(fnmatch.fnmatch(p.id, g) for g in a.only.split(","))]
+        if not chosen:
+            raise ValueError(f"--only {a.only}: matches none of the {len(points)} points "
+                             f"({', '.join(p.id for p in points)})")
+        points = chosen
     run_dir, _ = store.run_dirs(_run_id(a, prof), _out_roots(a)[0])
     if a.mode == "server":
         res = [m for p in points for m in server.run_point(prof, p, run_dir, levels)]
@@ -360,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         return a.fn(a)
-    except (ProfileError, ValueError, FileNotFoundError, RunLocked) as e:
+    except (ProfileError, ValueError, OSError, RunLocked) as e:  # OSError: unwritable, full
         print(f"speclab: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -71,10 +71,18 @@ class Grid(BaseModel):
             raise ValueError("aux_layer_convention: give distinct values (output, input)")
         return v
 
+    @field_validator("num_speculative_tokens", "kv_cache_dtype", "draft_kv_cache_dtype",
+                     "layout", "prompt_format")
+    @classmethod
+    def _not_empty(cls, v: list) -> list:
+        if not v:
+            raise ValueError("empty; give at least one value")
+        return v
+
     @field_validator("num_speculative_tokens")
     @classmethod
     def _k(cls, v: list[int]) -> list[int]:
-        if not v or any(k < 0 for k in v):
+        if any(k < 0 for k in v):
             raise ValueError("num_speculative_tokens: give k >= 0 values (0 = no-speculation baseline)")
         return sorted(set(v))
 
@@ -289,9 +297,22 @@ def load(name_or_path: str | os.PathLike, overrides: dict | None = None) -> Prof
     try:
         return Profile.model_validate(data)
     except ValidationError as e:
-        lines = [f"{path.name}: {'.'.join(map(str, err['loc'])) or 'profile'}: {err['msg']}"
-                 for err in e.errors()]
+        lines = [f"{_source(err['loc'], overrides, path.name)}: "
+                 f"{'.'.join(map(str, err['loc'])) or 'profile'}: "
+                 f"{err['msg'].removeprefix('Value error, ')}" for err in e.errors()]
         raise ProfileError("\n".join(lines)) from None
+
+
+def _source(loc: tuple, overrides: dict | None, file: str) -> str:
+    """Where a bad value came from: "overrides" when the overrides set it, else the file."""
+    node = overrides
+    for key in loc:
+        if isinstance(node, dict) and key in node or \
+                isinstance(node, list) and isinstance(key, int) and key < len(node):
+            node = node[key]
+        else:
+            return file
+    return "overrides" if loc else file
 
 
 def _merge(base: dict, over: dict) -> dict:

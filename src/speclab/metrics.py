@@ -162,11 +162,14 @@ def parse_log_line(line: str) -> dict | None:
     """One `SpecDecoding metrics:` log line → dict, by field name (both vLLM wordings:
     older lines start with `Draft acceptance rate: x%` and may lack the mean acceptance
     length and per-position fields); NaN values are None. Returns None for other lines and
-    raises ValueError (naming the field) for a matching line with a malformed number."""
+    raises ValueError (naming the field) for a matching line with a malformed number or with
+    none of the fields."""
     if "SpecDecoding metrics:" not in line:
         return None
     body = line.split("SpecDecoding metrics:", 1)[1]
     found = {k: re.search(p, body) for k, p in _LOG_FIELDS.items()}
+    if not any(found.values()):
+        raise ValueError("no counters or rates after 'SpecDecoding metrics:'")
     accepted = int(found["accepted"].group(1)) if found["accepted"] else None
     drafted = int(found["drafted"].group(1)) if found["drafted"] else None
     if found["acceptance_pct"]:

@@ -457,6 +457,22 @@ def test_unknown_notebook_refused_before_the_run_folder_exists(prof_path, tmp_pa
     assert not run_dir.exists()
 
 
+@pytest.mark.parametrize("bad, message", [
+    (b'{"id": "b", "prompt": "caf\xff"}\n', "not UTF-8 (byte 0xff at column 27)"),
+    (b'{"id": "b", "prompt": \n', "bad prompt record"),
+])
+def test_a_bad_prompt_line_is_named_before_the_run(prof_path, tmp_path, capsys, fake, bad,
+                                                   message):
+    pfile = tmp_path / "prompts.jsonl"
+    pfile.write_bytes(b'{"id": "a", "prompt": "fine"}\n' + bad)
+    path = _profile(tmp_path, prof_path, prompts={"file": str(pfile)})
+    run_dir = tmp_path / "never"
+    assert cli.main(["sweep", "--profile", str(path), "--run-id", str(run_dir)]) == 2
+    err = capsys.readouterr().err
+    assert f"prompts.file: {pfile}:2: {message}" in err, err
+    assert not run_dir.exists() and not starts(fake)
+
+
 def test_an_only_that_matches_nothing_is_refused(prof_path, tmp_path, capsys):
     run_dir = tmp_path / "never"
     assert cli.main(["sweep", "--profile", str(prof_path), "--run-id", str(run_dir),

@@ -21,7 +21,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from speclab import convention
+from speclab import convention, prompts
 from speclab.paths import RESOURCES as REPO  # the checkout, or the wheel's copies
 
 PROFILE_DIR = Path(os.environ.get("SPECLAB_PROFILES", REPO / "profiles"))
@@ -435,6 +435,12 @@ def check_env(profile: Profile) -> list[str]:
     pfile = prompt_file(profile)
     if not pfile.exists():
         problems.append(f"prompts.file: {pfile} does not exist")
+    else:
+        try:
+            prompts.load(pfile, limit=profile.prompts.limit,
+                         categories=profile.prompts.categories, seed=profile.prompts.seed)
+        except ValueError as e:
+            problems.append(f"prompts.file: {e}")
     return problems
 
 

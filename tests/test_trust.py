@@ -367,23 +367,6 @@ def test_a_killed_sweep_takes_its_worker_and_the_workers_children_along(prof_pat
     assert not list((run_dir / "points").glob("*.json"))
 
 
-@pytest.mark.vllm
-def test_the_real_worker_dies_with_its_parent(tmp_path, fixture_cache):
-    """speclab.worker itself on tiny-cpu, killed while it starts its engine."""
-    run_dir = tmp_path / "run"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), str(TESTS)]),
-           "SPECLAB_CACHE": str(fixture_cache.parent)}
-    parent = subprocess.Popen([sys.executable, "-c", SWEEP, "tiny-cpu", str(run_dir),
-                               "speclab.worker"], env=env)
-    worker = f"{run_dir}/logs/"
-    assert wait_for(lambda: processes_naming(worker), 300), "no worker started"
-    time.sleep(3)
-    assert processes_naming(worker), "the worker ended before its parent was killed"
-    parent.kill()
-    parent.wait()
-    assert wait_for(lambda: not processes_naming(worker), 3), "the worker outlived its parent"
-
-
 GROUPS = """
 import sys
 from speclab import multipass, profiles
@@ -394,18 +377,23 @@ multipass.run_groups(profiles.load("tiny-cpu"), sys.argv[1],
 
 
 @pytest.mark.vllm
-def test_a_multipass_engine_dies_with_its_parent(tmp_path, fixture_cache):
-    """A killed notebook (here: the process running a parity group) leaves no engine."""
+@pytest.mark.parametrize("child", ["worker", "multipass"])
+def test_a_real_engine_process_dies_with_its_parent(tmp_path, fixture_cache, child):
+    """speclab.worker (a sweep point) or speclab.multipass (a parity group, as a notebook
+    runs it) on tiny-cpu, its parent killed while it starts its engine: nothing is left."""
     run_dir = tmp_path / "run"
-    env = {**os.environ, "PYTHONPATH": str(SRC), "SPECLAB_CACHE": str(fixture_cache.parent)}
-    parent = subprocess.Popen([sys.executable, "-c", GROUPS, str(run_dir)], env=env)
-    engine = f"{run_dir}/logs/group-noise.spec.json"
-    assert wait_for(lambda: processes_naming(engine), 300), "no engine process started"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), str(TESTS)]),
+           "SPECLAB_CACHE": str(fixture_cache.parent)}
+    args, name = {"worker": ([SWEEP, "tiny-cpu", str(run_dir), "speclab.worker"],
+                             f"{run_dir}/logs/"),
+                  "multipass": ([GROUPS, str(run_dir)], f"{run_dir}/logs/group-noise.spec")}[child]
+    parent = subprocess.Popen([sys.executable, "-c", *args], env=env)
+    assert wait_for(lambda: processes_naming(name), 300), f"no {child} started"
     time.sleep(3)
-    assert processes_naming(engine), "the engine process ended before its parent was killed"
+    assert processes_naming(name), f"the {child} ended before its parent was killed"
     parent.kill()
     parent.wait()
-    assert wait_for(lambda: not processes_naming(engine), 5), "the engine outlived its parent"
+    assert wait_for(lambda: not processes_naming(name), 5), f"the {child} outlived its parent"
 
 
 # --------------------------------------------------------------------- early checks

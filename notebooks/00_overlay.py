@@ -21,7 +21,7 @@
 
 # %% tags=["parameters"]
 profile = "tiny-cpu"
-# None: data/runs/<profile name> and figures/<profile name> (speclab.paths.notebook_folders)
+# None: data/runs/<profile name> and figures/<profile name> (speclab.notebook.folders)
 run_dir = None
 figures_dir = None
 overrides = {}
@@ -31,11 +31,11 @@ execute = True
 import pandas as pd
 from IPython.display import display
 
-from speclab import engine, overlay, paths, profiles, sweep
-from speclab.report import record
+from speclab import engine, notebook, overlay, profiles
+from speclab.notebook import record
 
-run_dir, figures_dir = paths.notebook_folders(profile, run_dir, figures_dir)
-prof = sweep.profile_for(run_dir, profile, overrides, execute)
+run_dir, figures_dir = notebook.folders(profile, run_dir, figures_dir)
+prof = notebook.profile_for(run_dir, profile, overrides, execute)
 env = engine.versions()
 display(pd.Series(env, name="this machine (executing the notebooks)").dropna().to_frame())
 

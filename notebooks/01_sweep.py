@@ -21,7 +21,7 @@
 
 # %% tags=["parameters"]
 profile = "tiny-cpu"
-# None: data/runs/<profile name> and figures/<profile name> (speclab.paths.notebook_folders)
+# None: data/runs/<profile name> and figures/<profile name> (speclab.notebook.folders)
 run_dir = None
 figures_dir = None
 overrides = {}
@@ -37,11 +37,11 @@ executor = None
 # %%
 from IPython.display import display
 
-from speclab import analysis, parity, paths, plots, provenance, server, summary, sweep
-from speclab.report import record
+from speclab import analysis, notebook, parity, plots, provenance, server, store, summary, sweep
+from speclab.notebook import record
 
-run_dir, figures_dir = paths.notebook_folders(profile, run_dir, figures_dir)
-prof = sweep.profile_for(run_dir, profile, overrides, execute)
+run_dir, figures_dir = notebook.folders(profile, run_dir, figures_dir)
+prof = notebook.profile_for(run_dir, profile, overrides, execute)
 prof = prof.model_copy(update={"executor": executor or prof.executor})
 points = sweep.expand(prof)
 if mode == "server":
@@ -53,7 +53,7 @@ else:
     ids = [p.id for p in points]
     if execute:
         sweep.run(prof, run_dir, points)
-pts, recs = sweep.results_for(run_dir, ids)
+pts, recs = store.results_for(run_dir, ids)
 failed = pts[pts.status != "ok"]
 if len(failed):
     display(failed[["point_id", "error"]])
@@ -76,7 +76,7 @@ print(summary.AL_METHOD)
 # requests, one line per k.
 
 # %%
-curve = analysis.load_curve(*sweep.load_results(run_dir))
+curve = analysis.load_curve(*store.load_results(run_dir))
 if len(curve):
     fig = plots.load_vs_concurrency(curve, title=f"{prof.name}: server mode")
     plots.save(fig, figures_dir, "load_vs_concurrency", caption)
@@ -102,7 +102,7 @@ record(
                              "acceptance_rate": r.acceptance_rate}
                 for r in acc.itertuples()},
     counters={pid: {**m["counters"], "attribution": m.get("attribution")}
-              for pid in pts.point_id[pts.status == "ok"] if (m := sweep.read_meta(run_dir, pid))},
+              for pid in pts.point_id[pts.status == "ok"] if (m := store.read_meta(run_dir, pid))},
     throughput={r.point_id: r.throughput_tok_s for r in spd.itertuples()},
     load_curve=curve.to_dict("records"),
     match_rate={r["arm"]: r.get("match_rate") for r in par.to_dict("records")},

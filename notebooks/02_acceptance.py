@@ -22,7 +22,7 @@
 
 # %% tags=["parameters"]
 profile = "tiny-cpu"
-# None: data/runs/<profile name> and figures/<profile name> (speclab.paths.notebook_folders)
+# None: data/runs/<profile name> and figures/<profile name> (speclab.notebook.folders)
 run_dir = None
 figures_dir = None
 overrides = {}
@@ -33,18 +33,18 @@ formats = None
 # %%
 from IPython.display import display
 
-from speclab import analysis, convention, paths, plots, provenance, summary, sweep
-from speclab.report import record
+from speclab import analysis, convention, notebook, plots, provenance, store, summary, sweep
+from speclab.notebook import record
 
-run_dir, figures_dir = paths.notebook_folders(profile, run_dir, figures_dir)
-prof = sweep.profile_for(run_dir, profile, overrides, execute)
+run_dir, figures_dir = notebook.folders(profile, run_dir, figures_dir)
+prof = notebook.profile_for(run_dir, profile, overrides, execute)
 grid_points = [p for p in sweep.expand(prof) if p.k > 0]
 base = grid_points[0] if grid_points else None
 fmt_points = [base.model_copy(update={"k": prof.parity.spec_k, "prompt_format": f})
               for f in (formats if formats is not None else prof.compare_formats)] if base else []
 if execute:
     sweep.run(prof, run_dir, fmt_points)
-pts, recs = sweep.results_for(run_dir, grid_points + fmt_points)
+pts, recs = store.results_for(run_dir, grid_points + fmt_points)
 caption = provenance.caption(run_dir)
 
 # %%

@@ -31,7 +31,7 @@
 
 # %% tags=["parameters"]
 profile = "tiny-cpu"
-# None: data/runs/<profile name> and figures/<profile name> (speclab.paths.notebook_folders)
+# None: data/runs/<profile name> and figures/<profile name> (speclab.notebook.folders)
 run_dir = None
 figures_dir = None
 overrides = {}
@@ -55,12 +55,12 @@ from pathlib import Path
 import pandas as pd
 from IPython.display import Markdown, display
 
-from speclab import multipass, parity, paths, plots, provenance, summary, sweep
+from speclab import multipass, notebook, parity, plots, provenance, store, summary, sweep
+from speclab.notebook import record
 from speclab.profiles import REPO
-from speclab.report import record
 
-run_dir, figures_dir = paths.notebook_folders(profile, run_dir, figures_dir)
-prof = sweep.profile_for(run_dir, profile, overrides, execute)
+run_dir, figures_dir = notebook.folders(profile, run_dir, figures_dir)
+prof = notebook.profile_for(run_dir, profile, overrides, execute)
 prereg = parity.settings(prof)
 if near_tie is not None and near_tie != prereg.near_tie:
     reanalyses = {f"near_tie={near_tie:g}": {"near_tie": near_tie}, **reanalyses}
@@ -73,7 +73,7 @@ display(Markdown("**Pre-registered analysis** (profile `parity:` block) — " + 
 if execute:
     sweep.run(prof, run_dir, parity.points_of(plan))
     multipass.run_groups(prof, run_dir, parity.groups_of(plan))
-pts, recs = sweep.results_for(run_dir, parity.points_of(plan, grouped=None))
+pts, recs = store.results_for(run_dir, parity.points_of(plan, grouped=None))
 more_plain = parity.plain_from_runs(prof, plain_runs, base=Path(run_dir).parent)
 recs = pd.concat([recs, more_plain], ignore_index=True)
 rescore_path = Path(run_dir) / multipass.RESCORE_FILE

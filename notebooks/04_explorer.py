@@ -24,7 +24,7 @@
 
 # %% tags=["parameters"]
 profile = "tiny-cpu"
-# None: data/runs/<profile name> and figures/<profile name> (speclab.paths.notebook_folders)
+# None: data/runs/<profile name> and figures/<profile name> (speclab.notebook.folders)
 run_dir = None
 figures_dir = None
 overrides = {}
@@ -39,11 +39,11 @@ from pathlib import Path
 
 from IPython.display import display
 
-from speclab import explorer, paths, plots, provenance, sweep
-from speclab.report import record
+from speclab import explorer, notebook, plots, provenance
+from speclab.notebook import record
 
-run_dir, figures_dir = paths.notebook_folders(profile, run_dir, figures_dir)
-prof = sweep.profile_for(run_dir, profile, overrides, execute=False)  # results only
+run_dir, figures_dir = notebook.folders(profile, run_dir, figures_dir)
+prof = notebook.profile_for(run_dir, profile, overrides, execute=False)  # results only
 others = runs if runs is not None else explorer.find_runs(Path(run_dir).parent)
 run_dirs = [Path(run_dir), *(Path(d) for d in others if Path(d).name != Path(run_dir).name)]
 

@@ -11,7 +11,7 @@ import pandas as pd
 import pytest
 import yaml
 
-from speclab import convention, engine, explorer, parity, profiles, report, sweep
+from speclab import convention, engine, explorer, parity, profiles, report, store, sweep
 from speclab.profiles import REPO, ProfileError
 
 EAGLE31 = {"architectures": ["LlamaForCausalLMEagle3"],
@@ -155,7 +155,7 @@ def test_worker_records_the_resolution_and_fails_before_loading(tmp_path):
     done = subprocess.run([sys.executable, "-m", "speclab.worker", str(spec)], text=True,
                           capture_output=True, check=False, env={**os.environ, **env},
                           timeout=300)
-    meta = sweep.read_meta(run_dir, point.id)
+    meta = store.read_meta(run_dir, point.id)
     assert done.returncode == 1 and meta["status"] == "error"
     assert "[5] not in 1..4" in meta["error"] and "engine_init_s" not in meta["timings"]
     assert meta["engine_args"]["speculative_config"]["num_speculative_tokens"] == 3  # kept
@@ -177,15 +177,15 @@ def fake_run(tmp_path, rates: dict[str, list[float]], applied=True, n=40, k=3, s
                          "draft_kv_cache_dtype": "auto", "layout": "tp1", "prompt_format": "raw",
                          "repeat": 0, "concurrency": n, "drafts": 20,
                          "accepted_per_pos": list(app), "prompt_id": f"p{r}"})
-        sweep.write_point(run, pid, pd.DataFrame(rows), {
-            "point_id": pid, "status": "ok", "aux_convention": res,
-            "point": {"k": k, "aux_layer_convention": conv}})
+        store.write_point(run, store.PointResult(
+            point_id=pid, status="ok", aux_convention=res,
+            point={"k": k, "aux_layer_convention": conv}), pd.DataFrame(rows))
     return run
 
 
 def test_side_by_side_names_the_winner(tmp_path):
     run = fake_run(tmp_path, {"output": [0.6, 0.6, 0.6], "input": [0.1, 0.5, 0.5]})
-    table = convention.by_convention(*sweep.load_results(run), n_boot=200)
+    table = convention.by_convention(*store.load_results(run), n_boot=200)
     assert set(table.convention) == {"output", "input"} and len(table) == 6
     assert {"u_lo", "u_hi", "c_lo", "c_hi", "effective_capture_after_layers"} <= set(table)
     out = table[(table.convention == "output") & (table.position == 0)].iloc[0]
@@ -197,26 +197,26 @@ def test_side_by_side_names_the_winner(tmp_path):
 
 def test_overlapping_cis_are_no_clear_winner(tmp_path):
     run = fake_run(tmp_path, {"output": [0.5, 0.5, 0.5], "input": [0.5, 0.5, 0.5]})
-    found = convention.findings(convention.by_convention(*sweep.load_results(run), n_boot=200))
+    found = convention.findings(convention.by_convention(*store.load_results(run), n_boot=200))
     assert found["winner"] is None and found["text"].startswith("no clear winner")
 
 
 def test_not_applied_never_names_a_winner(tmp_path):
     run = fake_run(tmp_path, {"output": [0.6, 0.6, 0.6], "input": [0.1, 0.1, 0.1]},
                    applied=False)
-    found = convention.findings(convention.by_convention(*sweep.load_results(run), n_boot=200))
+    found = convention.findings(convention.by_convention(*store.load_results(run), n_boot=200))
     assert found["winner"] is None and "not applied" in found["text"]
 
 
 def test_one_convention_has_nothing_to_compare(tmp_path):
     run = fake_run(tmp_path, {"output": [0.6, 0.6, 0.6]})
-    found = convention.findings(convention.by_convention(*sweep.load_results(run), n_boot=200))
+    found = convention.findings(convention.by_convention(*store.load_results(run), n_boot=200))
     assert found["winner"] is None and "nothing to compare" in found["text"]
 
 
 def test_footer_records_every_resolution(tmp_path):
     run = fake_run(tmp_path, {"output": [0.6] * 3, "input": [0.1] * 3})
-    summary = convention.run_summary(run)
+    summary = convention.run_summary(store.point_metas(run))
     assert sorted(s["convention"] for s in summary) == ["input", "output"]
     prov = {"versions": {}, "date": "d", "command": "c", "git_commit": "g", "git_dirty": False,
             "cpu_count": 1, "wall_s": 1, "notebook_wall_s": {}, "input_sha256": {},
@@ -254,7 +254,7 @@ def test_cpu_engine_records_the_convention_it_cannot_apply(tmp_path, fixture_cac
         log = (run / "logs" / f"{m['point_id']}.log").read_text()
         assert convention.log_line(res) in log
     assert metas[0]["counters"] == metas[1]["counters"]
-    found = convention.findings(convention.by_convention(*sweep.load_results(run), n_boot=100))
+    found = convention.findings(convention.by_convention(*store.load_results(run), n_boot=100))
     assert found["winner"] is None and "not applied" in found["text"]
 
 
@@ -278,10 +278,10 @@ def test_the_layer_rigs_expectations_name_output_the_winner(tmp_path):
                  "repeat": 0, "prompt_id": pid, "drafts": c["num_drafts"],
                  "accepted_per_pos": c["accepted_per_pos"]}
                 for pid, c in zip(expected["prompt_ids"], exp["counters"]["per_prompt"])]
-        sweep.write_point(run, point.id, pd.DataFrame(rows), {
-            "point_id": point.id, "status": "ok", "aux_convention": res,
-            "point": point.model_dump(mode="json")})
-    table = convention.by_convention(*sweep.load_results(run), n_boot=200)
+        store.write_point(run, store.PointResult(
+            point_id=point.id, status="ok", aux_convention=res,
+            point=point.model_dump(mode="json")), pd.DataFrame(rows))
+    table = convention.by_convention(*store.load_results(run), n_boot=200)
     first = table[table.position == 0].set_index("convention").unconditional
     assert first["output"] == 1.0 and first["input"] == 0.0
     assert convention.findings(table)["winner"] == "output"

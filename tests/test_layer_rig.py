@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from speclab import layerrig as LR
+from speclab import store
 from speclab.fixtures import dsv4_layer_rig as L
 from speclab.fixtures import dsv4_reference as R
 from speclab.fixtures import dsv4_target as T
@@ -210,19 +211,18 @@ def test_check_run_compares_counters_and_outputs(tmp_path):
 
     last = {p.id: p.prompt_token_ids[-1] for p in prompts.load(REPO / expected["prompts"])}
     expected["prompts"] = str(REPO / expected["prompts"])
-    (tmp_path / "points").mkdir()
 
     def write(accepted, total=4, first_out_offset=1):
-        (tmp_path / "points" / "k3_x.json").write_text(json.dumps({
-            "point_id": "k3_x", "status": "ok", "env": {},
-            "counters": {"num_drafts": 4, "accepted_per_pos": [total, 0, 0]}}))
         # per request: the final round is missing (vLLM's per-request stats)
-        pd.DataFrame({"prompt_id": expected["prompt_ids"][::-1], "drafts": [1, 2],
-                      "accepted_per_pos": [[a, 0, 0] for a in accepted[::-1]],
-                      "output_token_ids": [list(range(last[i] + first_out_offset,
-                                                      last[i] + first_out_offset + 4))
-                                           for i in expected["prompt_ids"][::-1]]}
-                     ).to_parquet(tmp_path / "points" / "k3_x.parquet")
+        ids = expected["prompt_ids"][::-1]
+        records = pd.DataFrame({
+            "prompt_id": ids, "drafts": [1, 2],
+            "accepted_per_pos": [[a, 0, 0] for a in accepted[::-1]],
+            "output_token_ids": [list(range(last[i] + first_out_offset,
+                                            last[i] + first_out_offset + 4)) for i in ids]})
+        store.write_point(tmp_path, store.PointResult(
+            point_id="k3_x", status="ok", point={"k": 3}, env={},
+            counters={"num_drafts": 4, "accepted_per_pos": [total, 0, 0]}), records)
 
     write([2, 1])
     ok = LR.check_run(expected, "positive", tmp_path)

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from speclab import cli, memory, profiles, sweep
+from speclab import cli, launch, memory, profiles, store, sweep
 from speclab.fixtures import dsv4_rigs, dsv4_target, realshape
 
 V4 = memory.PUBLISHED["deepseek-ai/DeepSeek-V4-Flash"]
@@ -80,29 +80,29 @@ def test_dsv4_kv_per_request_near_vllms_admission_count():
 def test_gb10_nvfp4_checkpoint_does_not_fit(tmp_path):
     """nvidia/DeepSeek-V4-Flash-NVFP4's index reports total_size 168.3 GB; a GB10 has 121 GB."""
     prof = profile(checkpoint(tmp_path, 168.3e9), gpu_memory_utilization=0.9)
-    est, = memory.estimates(prof, sweep.expand(prof), "GB10")
+    est, = memory.estimates(prof, profiles.expand(prof), "GB10")
     assert est.weights > 150 * memory.GiB and est.verdict == "does not fit"
     assert "does not fit by " in est.line() and "0.9 x GB10" in est.line()
     # the same index half the size would fit
     small = profile(checkpoint(tmp_path, 50e9), gpu_memory_utilization=0.9)
-    assert memory.estimates(small, sweep.expand(small), "GB10")[0].verdict == "fits"
+    assert memory.estimates(small, profiles.expand(small), "GB10")[0].verdict == "fits"
 
 
 def test_v4_flash_on_8_h200_fits_at_16_sequences(tmp_path):
     prof = profile(checkpoint(tmp_path, None), tp=8, gpu_memory_utilization=0.6)
-    est, = memory.estimates(prof, sweep.expand(prof), "H200")
+    est, = memory.estimates(prof, profiles.expand(prof), "H200")
     assert est.verdict == "fits", est.line()
     assert est.line().startswith("weights 19.") and "KV at 8192 x 16 = " in est.line()
     assert est.line().endswith("of 83.9 GiB (0.6 x H200 139.8 GiB): fits")
     # one GPU cannot hold the 43 layers (145 GiB)
     one = profile(checkpoint(tmp_path, None), tp=1, gpu_memory_utilization=0.9)
-    assert memory.estimates(one, sweep.expand(one), "H200")[0].verdict == "does not fit"
+    assert memory.estimates(one, profiles.expand(one), "H200")[0].verdict == "does not fit"
 
 
 def test_every_shipped_profile_gets_an_estimate_per_point():
     for name in profiles.available():
         prof = profiles.load(name)
-        points = sweep.expand(prof)
+        points = profiles.expand(prof)
         ests = memory.estimates(prof, points, memory.gpu_for(prof))
         assert [e.point for e in ests] == [p.id for p in points]
         for e in ests:
@@ -124,17 +124,17 @@ def test_sweep_refuses_a_point_that_cannot_fit_before_starting_a_worker(tmp_path
     (tmp_path / "ckpt").mkdir()
     prof = profile(checkpoint(tmp_path / "ckpt", 168.3e9), gpu_memory_utilization=0.9)
     monkeypatch.setattr(memory, "local_gpu", lambda: "GB10")
-    monkeypatch.setattr(sweep, "run_point", lambda *a, **k: pytest.fail("worker started"))
+    monkeypatch.setattr(launch, "run_point", lambda *a, **k: pytest.fail("worker started"))
     meta, = sweep.run(prof, tmp_path / "run", progress=False)
     assert meta["status"] == "error" and meta["error"].startswith("does not fit in memory: ")
-    assert sweep.read_meta(tmp_path / "run", meta["point_id"])["error"] == meta["error"]
+    assert store.read_meta(tmp_path / "run", meta["point_id"])["error"] == meta["error"]
 
 
 def test_a_short_kv_cache_is_said_but_not_refused():
     """v4flash-8xh200 at vLLM's default 1024 sequences: KV for fewer at full length; vLLM
     starts and runs fewer at once, so the sweep runs the point."""
     prof = profiles.load("v4flash-8xh200")
-    point = sweep.expand(prof)[0]
+    point = profiles.expand(prof)[0]
     est, = memory.estimates(prof, [point], "H200")
     assert est.verdict == "short" and est.kv_seqs == 1024
     room = int(est.line().split("room for ")[1].split(" of 1024")[0])

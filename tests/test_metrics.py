@@ -242,3 +242,23 @@ def test_parse_log_names_the_bad_line():
     with pytest.raises(ValueError, match="line 2: malformed"):
         metrics.parse_log("\n".join([OLD, OLD.replace("0.357", "0.3x7").replace(
             "acceptance rate: 0.543", "acceptance rate: 0.5.43")]))
+
+
+def test_first_divergence():
+    assert metrics.first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert metrics.first_divergence([1, 2, 3], [1, 9, 3]) == 1
+    assert metrics.first_divergence([1, 2, 3], [1, 2]) == 2
+    assert metrics.first_divergence([], [5]) == 0
+
+
+def test_cli_parse_log_names_a_line_without_counters(tmp_path):
+    r = _parse_log_cli(tmp_path, "INFO SpecDecoding metrics: garbage\n")
+    assert r.returncode == 1 and r.stdout == ""
+    assert "engine.log:1: no counters or rates after 'SpecDecoding metrics:'" in r.stderr
+
+
+def test_cli_parse_log_of_a_folder_is_one_error_line(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "speclab", "metrics", "parse-log", str(tmp_path)],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.startswith("speclab: error: ") and str(tmp_path) in r.stderr

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from speclab import report
+from speclab import notebook, report
 
 pytestmark = [pytest.mark.notebooks, pytest.mark.vllm]
 
@@ -29,7 +29,7 @@ def suite(tmp_path_factory, fixture_cache):
 
 
 def records(root: Path, name: str) -> dict:
-    return report.read_records(root / "runs" / "smoke" / "notebooks" / f"{name}.ipynb")
+    return notebook.read_records(root / "runs" / "smoke" / "notebooks" / f"{name}.ipynb")
 
 
 def test_sweep_acceptance_is_consistent(suite):

@@ -29,7 +29,7 @@ def actions(version: str, scope: str) -> dict[str, str]:
 
 
 def released(first: str, last: str | None = None) -> list[str]:
-    key = vllm_matrix._vkey
+    key = vllm_matrix.vkey
     return [v for v in RELEASES if key(first) <= key(v) <= key(last or "9999")]
 
 
@@ -85,7 +85,7 @@ def test_rocm_and_xpu_before_0_26_are_refused_with_the_release_to_use():
 
 def test_draft_kv_dtype_is_native_from_0_26_and_the_window_always_patched():
     for version in RELEASES:
-        native = vllm_matrix._vkey(version) >= (0, 26, 0)
+        native = vllm_matrix.vkey(version) >= (0, 26, 0)
         assert actions(version, "engine")["draft-kv-dtype"] == (
             "native" if native else "patched")
         assert actions(version, "engine")["draft-window"] == "patched"
@@ -122,7 +122,7 @@ def test_kv_grouping_patches_follow_the_planner_vllm_really_calls():
     for version in RELEASES:
         entry = RELEASES[version]["plan"]["engine"]["kv-grouping"]
         kv = RELEASES[version]["facts"]["kv"]
-        if vllm_matrix._vkey(version) >= (0, 29, 0):
+        if vllm_matrix.vkey(version) >= (0, 29, 0):
             assert entry["action"] == "not needed" and kv["grouping"] == "generic"
             continue
         assert entry["action"] == "patched" and kv["grouping"] == "deepseek-v4-mla-only"

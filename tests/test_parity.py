@@ -4,16 +4,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from speclab import parity
-from speclab.profiles import Layout, Profile
-from speclab.sweep import Point
-
-
-def test_first_divergence():
-    assert parity.first_divergence([1, 2, 3], [1, 2, 3]) is None
-    assert parity.first_divergence([1, 2, 3], [1, 9, 3]) == 1
-    assert parity.first_divergence([1, 2, 3], [1, 2]) == 2
-    assert parity.first_divergence([], [5]) == 0
+from speclab import parity, store
+from speclab.profiles import Layout, Point, Profile
 
 
 def _rec(pid, ids, margin=None, runner_up=None, cat="c"):
@@ -162,10 +154,9 @@ def test_findings_print_counts_as_integers_next_to_arms_that_did_not_run():
 
 
 def _write_run(d, profile, point_id, recs):
-    (d / "points").mkdir(parents=True)
-    (d / "profile.json").write_text(profile.model_dump_json())
-    (d / "points" / f"{point_id}.json").write_text('{"point_id": "%s", "status": "ok"}' % point_id)
-    pd.DataFrame(recs).to_parquet(d / "points" / f"{point_id}.parquet")
+    store.save_profile(profile, d, "t0")
+    store.write_point(d, store.PointResult(point_id=point_id, status="ok", point={"k": 0}),
+                      pd.DataFrame(recs))
 
 
 def test_plain_from_runs_pools_other_runs_of_the_same_target_and_refuses_others(tmp_path):

@@ -7,10 +7,9 @@ import pandas as pd
 import pytest
 import torch
 
-from speclab import defects, multipass, parity
+from speclab import defects, multipass, notebook, parity
 from speclab.fixtures import neartie
-from speclab.profiles import Profile
-from speclab.sweep import Point
+from speclab.profiles import Point, Profile
 
 
 def _rec(point, pid, ids, margin=None, runner_up=None, k=0):
@@ -194,18 +193,16 @@ def test_neartie_scale_must_be_exact_and_margin_stats():
 def test_other_views_read_the_floor_notebook_03_recorded(tmp_path):
     import nbformat
 
-    from speclab import report
-
     assert parity.recorded_analysis(tmp_path) == {}
     nb = nbformat.v4.new_notebook()
     cell = nbformat.v4.new_code_cell("record(...)")
     cell.outputs = [nbformat.v4.new_output("display_data", data={
-        report.MIME: {"near_tie": 0.05, "noise": {"floor": 0.07}, "self_flips": []}})]
+        notebook.MIME: {"near_tie": 0.05, "noise": {"floor": 0.07}, "self_flips": []}})]
     nb.cells.append(cell)
     (tmp_path / "notebooks").mkdir()
     nbformat.write(nb, str(tmp_path / "notebooks" / "03_parity.ipynb"))
     assert parity.recorded_analysis(tmp_path) == {"near_tie": 0.05, "noise_floor": 0.07}
-    cell.outputs[0]["data"][report.MIME] = {"near_tie": 0.05, "self_flips": [{"margin": 0.02}]}
+    cell.outputs[0]["data"][notebook.MIME] = {"near_tie": 0.05, "self_flips": [{"margin": 0.02}]}
     nbformat.write(nb, str(tmp_path / "notebooks" / "03_parity.ipynb"))
     assert parity.recorded_analysis(tmp_path)["noise_floor"] == 0.02  # runs before the noise arm
 

@@ -43,6 +43,22 @@ def test_static_validation_errors_are_one_clear_line_each(tmp_path, data, messag
     assert "Traceback" not in str(e.value)
 
 
+@pytest.mark.parametrize("axis", ["num_speculative_tokens", "kv_cache_dtype",
+                                  "draft_kv_cache_dtype", "layout", "prompt_format"])
+def test_an_empty_grid_axis_is_refused_by_name(tmp_path, axis):
+    with pytest.raises(ProfileError) as e:
+        profiles.load(write(tmp_path, grid={axis: []}))
+    assert str(e.value) == f"t.yaml: grid.{axis}: empty; give at least one value"
+
+
+def test_a_bad_override_is_blamed_on_the_override(tmp_path):
+    with pytest.raises(ProfileError) as e:
+        profiles.load(write(tmp_path), {"max_tokens": 0, "grid": {"layout": [{"tp": 0}]}})
+    assert str(e.value).splitlines() == [
+        "overrides: max_tokens: Input should be greater than or equal to 1",
+        "overrides: grid.layout.0.tp: Input should be greater than or equal to 1"]
+
+
 def test_unknown_profile_lists_available():
     with pytest.raises(ProfileError, match="available: .*tiny-cpu"):
         profiles.load("no-such-profile")

@@ -23,16 +23,17 @@ def test_durations_read_naturally():
 def test_sweep_prints_a_line_per_point(tmp_path, monkeypatch, capsys):
     import pandas as pd
 
-    from speclab import fingerprint, profiles, sweep
+    from speclab import fingerprint, launch, profiles, store, sweep
 
     prof = profiles.load("tiny-cpu", {"grid": {"num_speculative_tokens": [0, 1, 2]},
                                       "timed_passes": 1})
     points = sweep.expand(prof)
-    done = {"point_id": points[0].id, "status": "ok", "n_requests": 1,  # an earlier run's
-            "fingerprint": fingerprint.of_point(prof, points[0])}
-    sweep.write_point(tmp_path, points[0].id, pd.DataFrame({"request": [0]}), done)
-    monkeypatch.setattr(sweep, "prepare_models", lambda *a: None)
-    monkeypatch.setattr(sweep, "run_point", lambda prof, p, run_dir, fp=None: {
+    done = store.PointResult(  # an earlier run's
+        point_id=points[0].id, status="ok", point=points[0].model_dump(mode="json"),
+        n_requests=1, fingerprint=fingerprint.of_point(prof, points[0]))
+    store.write_point(tmp_path, done, pd.DataFrame({"request": [0]}))
+    monkeypatch.setattr(launch, "prepare_models", lambda *a: None)
+    monkeypatch.setattr(launch, "run_point", lambda prof, p, run_dir, fp=None: {
         "point_id": p.id, "status": "ok" if p.k == 1 else "error", "error": "boom", "wall_s": 65})
     sweep.run(prof, tmp_path, points)
     lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("[speclab] sweep")]
@@ -45,16 +46,16 @@ def test_sweep_prints_a_line_per_point(tmp_path, monkeypatch, capsys):
 
 
 def test_timing_rounds_announce_themselves(tmp_path, monkeypatch, capsys):
-    from speclab import profiles, sweep
+    from speclab import launch, profiles, sweep
 
     prof = profiles.load("tiny-cpu", {"grid": {"num_speculative_tokens": [0, 1]},
                                       "timed_passes": 3})
-    monkeypatch.setattr(sweep, "prepare_models", lambda *a: None)
-    monkeypatch.setattr(sweep, "run_point", lambda prof, p, run_dir, fp=None: {
+    monkeypatch.setattr(launch, "prepare_models", lambda *a: None)
+    monkeypatch.setattr(launch, "run_point", lambda prof, p, run_dir, fp=None: {
         "point_id": p.id, "status": "ok" if p.k == 0 else "error", "error": "x", "wall_s": 1,
         "passes": [{"round": 1}]})
     rounds = []
-    monkeypatch.setattr(sweep, "timing_round", lambda prof, p, run_dir, rnd, log: rounds.append(
+    monkeypatch.setattr(launch, "timing_round", lambda prof, p, run_dir, rnd, log: rounds.append(
         (p.id, rnd)) or {"point_id": p.id, "status": "ok", "passes": [{}] * rnd})
     sweep.run(prof, tmp_path)
     lines = [x for x in capsys.readouterr().out.splitlines() if "timing round" in x]

@@ -16,8 +16,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from speclab import executor_ray, executors, profiles, sweep
-from speclab.sweep import Point
+from speclab import executor_ray, executors, profiles, store, sweep
+from speclab.profiles import Point
 
 OVER = {"prompts": {"limit": 4}, "max_tokens": 16, "grid": {"num_speculative_tokens": [0, 2]},
         "ray": {"resource": "GPU"}, "timed_passes": 2}
@@ -56,7 +56,7 @@ def test_failed_point_keeps_its_error(tmp_path):
                      f"logs/{p.id}.spec.json": json.dumps({"run_dir": scratch}).encode(),
                      f"points/{p.id}.json": json.dumps(meta).encode()}}
     got = executor_ray._store(tmp_path, p, out, {"kind": "ray", "node": "n1"}, [])
-    on_disk = sweep.read_meta(tmp_path, p.id)
+    on_disk = store.read_meta(tmp_path, p.id)
     assert on_disk == got and on_disk["root_cause"] == "ValueError: boom"
     assert on_disk["command"].endswith(f"{tmp_path}/logs/{p.id}.spec.json")
     assert (tmp_path / "logs" / f"{p.id}.log").read_bytes() == b"ValueError: boom\n"
@@ -71,9 +71,8 @@ class LocalCluster:
     multi-node tests use); a node is killed by the pids of its processes."""
 
     def __init__(self):
-        from ray.cluster_utils import Cluster
-
         from ray._common.utils import get_default_ray_temp_dir
+        from ray.cluster_utils import Cluster
 
         self.temp = tempfile.mkdtemp(prefix="rt", dir="/tmp")  # socket paths must be short
         # Ray 2.60 writes the head's address under its default temp dir even when given
@@ -189,7 +188,7 @@ def test_ray_sweep_on_a_local_cluster(tmp_path, fixture_cache, monkeypatch):
         assert "ETA" in out and "sweep done" in out
         assert "timing round" not in out  # rounds ran on the nodes, in the points' tasks
 
-        metas = {i: sweep.read_meta(ray_dir, i) for i in ids}
+        metas = {i: store.read_meta(ray_dir, i) for i in ids}
         for i, m in metas.items():
             ex = m["executor"]
             assert m["status"] == "ok" and ex["kind"] == "ray" and ex["attempts"] == 2, m
@@ -200,10 +199,10 @@ def test_ray_sweep_on_a_local_cluster(tmp_path, fixture_cache, monkeypatch):
         assert {m["executor"]["cuda_visible_devices"] for m in metas.values()} == {"0", "1"}
 
         # exactly the local executor's counters and tokens
-        _, lrec = sweep.load_results(local_dir)
-        _, rrec = sweep.load_results(ray_dir)
+        _, lrec = store.load_results(local_dir)
+        _, rrec = store.load_results(ray_dir)
         for i in ids:
-            assert metas[i]["counters"] == sweep.read_meta(local_dir, i)["counters"], i
+            assert metas[i]["counters"] == store.read_meta(local_dir, i)["counters"], i
             a = lrec[lrec.point_id == i].set_index("prompt_id").output_token_ids
             b = rrec[rrec.point_id == i].set_index("prompt_id").output_token_ids
             assert {k: list(v) for k, v in a.items()} == {k: list(v) for k, v in b.items()}

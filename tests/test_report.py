@@ -13,7 +13,7 @@ import nbformat
 import pandas as pd
 import pytest
 
-from speclab import analysis, paths, provenance, report, summary, sweep
+from speclab import analysis, notebook, paths, provenance, report, store, summary
 
 RUNS = Path(__file__).resolve().parents[1] / "data" / "runs"
 DIAL = "h200-dsv4-dial-20261130-h4096"  # eager H200 run whose k=0 baseline was JIT-slowed
@@ -36,7 +36,7 @@ def test_summary_has_one_row_per_point_and_one_al_definition(runs):
     reqs = pd.read_parquet(runs / "tiny-cpu" / "requests.parquet")
     assert set(reqs.point_id) == set(back.point_id[back.status == "ok"])
     # AL is the per-request definition with its bootstrap CI, the one notebook 02 shows
-    pts, recs = sweep.load_results(runs / "tiny-cpu")
+    pts, recs = store.load_results(runs / "tiny-cpu")
     acc = analysis.acceptance(recs, points=pts, n_boot=summary.N_BOOT).set_index("point_id")
     spec = t[t.k > 0].set_index("point_id")
     assert (spec.al_counters == "per-request").all()
@@ -51,7 +51,7 @@ def test_summary_has_one_row_per_point_and_one_al_definition(runs):
 
 def test_dial_run_caveats_flag_speedups_above_the_bound(runs):
     t = summary.table(runs / DIAL)
-    prof = sweep.load_profile(runs / DIAL)
+    prof = store.load_profile(runs / DIAL)
     flagged = set(t.point_id[t.above_ideal.fillna(False)])
     # 8.33x and 9.84x at AL 2.29: beyond any speculation
     assert {"k2_kv-fp8_dkv-auto_tp1_raw", "k2_kv-fp8_dkv-fp8_tp1_raw"} <= flagged
@@ -71,7 +71,7 @@ def test_tiny_cpu_findings_withhold_a_noisy_speedup(runs):
     # the committed tiny-cpu run was measured on a loaded 2-core machine: its plain repeats
     # differ several-fold, so the report gives AL with its CI and parity, but no speedup
     t = summary.table(runs / "tiny-cpu")
-    prof = sweep.load_profile(runs / "tiny-cpu")
+    prof = store.load_profile(runs / "tiny-cpu")
     noisy = summary._noisy_repeats(t)
     assert noisy and not summary.speed_trusted(t, prof)
     assert any("repeats of the same plain point differ" in c for c in summary.caveats(t, prof))
@@ -116,7 +116,7 @@ def test_report_opens_with_summary_and_hides_noise(runs):
             "application/vnd.jupyter.widget-view+json": {"model_id": "abc"},
             "text/plain": "  0%|          | 0/5"}),
         nbformat.v4.new_output("display_data", data={
-            report.MIME: {"al": 2.2858672376873662}, "text/plain": "(recorded: al)"}),
+            notebook.MIME: {"al": 2.2858672376873662}, "text/plain": "(recorded: al)"}),
     ])
     nbformat.write(_executed([cell]), run / "notebooks" / "01_sweep.ipynb")
     summary.write(run)
@@ -190,10 +190,10 @@ def test_plain_papermill_writes_into_the_profiles_run(tmp_path):
 
 def test_notebook_folders_follow_the_profile(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECLAB_OUT", str(tmp_path))
-    run, fig = paths.notebook_folders("tiny-dsv4-h200", None, None)
+    run, fig = notebook.folders("tiny-dsv4-h200", None, None)
     assert (run, fig) == (tmp_path / "data" / "runs" / "tiny-dsv4-h200",
                           tmp_path / "figures" / "tiny-dsv4-h200")
-    run, fig = paths.notebook_folders("tiny-cpu", str(tmp_path / "mine"), None)
+    run, fig = notebook.folders("tiny-cpu", str(tmp_path / "mine"), None)
     assert run == tmp_path / "mine" and fig == tmp_path / "figures" / "mine"
 
 
@@ -210,11 +210,11 @@ def test_readable_tables_round_and_drop_nan():
 def test_record_output_is_data_not_text(monkeypatch):
     shown = []
     monkeypatch.setattr("IPython.display.display", lambda obj, raw=False: shown.append(obj))
-    report.record(al=2.2858672376873662, flag=float("nan"))
+    notebook.record(al=2.2858672376873662, flag=float("nan"))
     (out,) = shown
-    assert out[report.MIME] == {"al": 2.2858672376873662, "flag": None}
+    assert out[notebook.MIME] == {"al": 2.2858672376873662, "flag": None}
     assert "2.28" not in out["text/plain"]
-    assert json.loads(json.dumps(out[report.MIME]))["flag"] is None
+    assert json.loads(json.dumps(out[notebook.MIME]))["flag"] is None
 
 
 def test_noisy_plain_repeats_withhold_the_speedup(runs):

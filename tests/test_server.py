@@ -9,9 +9,8 @@ import subprocess
 import pytest
 import yaml
 
-from speclab import metrics, report, server
-from speclab.profiles import REPO, load
-from speclab.sweep import Point
+from speclab import metrics, notebook, report, server
+from speclab.profiles import REPO, Point, load
 
 pytestmark = pytest.mark.vllm
 
@@ -88,7 +87,7 @@ def test_sweep_notebook_in_server_mode(profile, tmp_path):
                      parameters={"mode": "server", "concurrency": [1, 2]},
                      runs_root=runs, figures_root=figs)
     assert servers() == []
-    r = report.read_records(runs / "serve" / "notebooks" / "01_sweep.ipynb")
+    r = notebook.read_records(runs / "serve" / "notebooks" / "01_sweep.ipynb")
     curve = r["load_curve"]
     assert sorted((c["k"], c["concurrency"]) for c in curve) == [(0, 1), (0, 2), (3, 1), (3, 2)]
     for c in curve:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from speclab import sweep
+from speclab import store, sweep
 from speclab.profiles import REPO, load
 
 pytestmark = pytest.mark.vllm
@@ -21,7 +21,7 @@ pytestmark = pytest.mark.vllm
 SCRIPT = """
 import sys
 from speclab import profiles, sweep
-from speclab.sweep import Point
+from speclab.profiles import Point
 prof = profiles.load(sys.argv[1])
 pts = sweep.expand(prof) + [Point(k=0, engine={"max_model_len": 10 ** 9})]
 sweep.run(prof, sys.argv[2], pts, retry_failed=sys.argv[3] == "retry", progress=False)
@@ -88,7 +88,7 @@ def test_interrupted_sweep_resumes_without_recomputing(rig_profile, tmp_path, fi
     assert len(bad) == 1 and "max_model_len" in bad[0]["error"] + bad[0].get("log_tail", "")
 
     # per-request counters add up to the engine's; the rig accepts exactly position 0
-    pts, recs = sweep.load_results(run_dir)
+    pts, recs = store.load_results(run_dir)
     for pid in ids[1:]:
         m = metas[pid]
         k = m["point"]["k"]

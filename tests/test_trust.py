@@ -18,17 +18,16 @@ import numpy as np
 import pytest
 import yaml
 
-from speclab import analysis, cli, fingerprint, profiles, runlock, server, sweep
-from speclab.profiles import REPO
-from speclab.sweep import Point
+from speclab import analysis, cli, fingerprint, launch, profiles, runlock, server, store, sweep
+from speclab.profiles import REPO, Point
 
 TESTS = Path(__file__).parent
 SRC = REPO / "src"
 CLI = f"""
 import sys
 sys.path.insert(0, {str(TESTS)!r})
-from speclab import cli, sweep
-sweep.WORKER = "trust_worker"
+from speclab import cli, launch
+launch.WORKER = "trust_worker"
 sys.exit(cli.main(sys.argv[1:]))
 """
 
@@ -51,7 +50,7 @@ def prof_path(tmp_path) -> Path:
 @pytest.fixture()
 def fake(monkeypatch, tmp_path) -> Path:
     """Sweeps in this process and their children use the stand-in worker; returns its log."""
-    monkeypatch.setattr(sweep, "WORKER", "trust_worker")
+    monkeypatch.setattr(launch, "WORKER", "trust_worker")
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
         [str(TESTS), str(SRC), os.environ.get("PYTHONPATH", "")]))
     log = tmp_path / "worker.log"
@@ -157,6 +156,40 @@ def test_make_report_measures_into_its_own_ignored_folder(prof_path, monkeypatch
             assert ignored.returncode == 0, f"{path}: the main job's output is not ignored"
 
 
+def _fake_group(ran: list):
+    """Stands in for the multipass child: writes every pass it finds missing, with the
+    fingerprint the parent sent."""
+    import pandas as pd
+
+    def run(spec, run_dir, name, env, timeout):
+        ran.append(name)
+        for i, p in enumerate(spec["passes"]):
+            pid = Point.model_validate(p).id
+            if store.read_meta(run_dir, pid) is None:
+                store.write_point(run_dir, store.PointResult(
+                    point_id=pid, status="ok", point=p, engine_group=spec["name"], pass_index=i,
+                    n_requests=1, fingerprint=spec.get("fingerprints", {}).get(pid)),
+                    pd.DataFrame({"x": [1]}))
+    return run
+
+
+def test_multipass_resume_measures_passes_with_changed_settings_again(prof_path, tmp_path,
+                                                                      monkeypatch):
+    from speclab import multipass
+
+    run_dir, ran, msgs = tmp_path / "run", [], []
+    monkeypatch.setattr(multipass, "_subprocess", _fake_group(ran))
+    group = multipass.same_engine_repeats("noise", Point(k=0), 2)
+    multipass.run_groups(profiles.load(prof_path), run_dir, [group], log=msgs.append)
+    multipass.run_groups(profiles.load(prof_path), run_dir, [group], log=msgs.append)
+    assert ran == ["group-noise"] and not msgs, "an unchanged group ran again"
+    multipass.run_groups(profiles.load(prof_path, {"max_tokens": 48}), run_dir, [group],
+                         log=msgs.append)
+    assert ran == ["group-noise"] * 2, "changed settings reused the earlier passes"
+    assert len(msgs) == 2 and all("sampling.max_tokens 16 -> 48" in m for m in msgs), msgs
+    assert len(list((run_dir / "superseded").glob("*/k0_*.json"))) == 2
+
+
 # --------------------------------------------------------------------- timing rounds
 def test_timed_passes_run_in_rounds_over_the_points(prof_path, tmp_path, fake):
     run_dir = tmp_path / "run"
@@ -172,7 +205,7 @@ def test_timed_passes_run_in_rounds_over_the_points(prof_path, tmp_path, fake):
     assert json.loads((logs / f"{k0}.round3.spec.json").read_text())["round"] == 3
     sweep_run(prof_path, run_dir, {"timed_passes": 4})  # resuming adds only the missing round
     assert starts(fake)[6:] == [f"{k0} timing 4", f"{k2} timing 4"]
-    pts, _ = sweep.load_results(run_dir)
+    pts, _ = store.load_results(run_dir)
     spd = analysis.speed(pts).set_index("point_id")
     # the stand-in's k-point passes 100*(1+k) + round tok/s
     ratios = [(300 + r) / (100 + r) for r in (1, 2, 3, 4)]
@@ -205,7 +238,7 @@ def test_a_damaged_point_is_named_set_aside_and_measured_again(prof_path, tmp_pa
     run_dir = tmp_path / "run"
     res, _ = sweep_run(prof_path, run_dir)
     pid = res[0]["point_id"]
-    rec, meta = sweep.point_paths(run_dir, pid)
+    rec, meta = store.point_paths(run_dir, pid)
     target = rec if "parquet" in damage else meta
     {"truncated-json": lambda: _truncate(meta), "empty-json": lambda: meta.write_text(""),
      "empty-object": lambda: meta.write_text("{}"), "list": lambda: meta.write_text("[1]"),
@@ -221,11 +254,11 @@ def test_a_damaged_point_is_named_set_aside_and_measured_again(prof_path, tmp_pa
 def test_analysis_never_takes_an_unreadable_parquet_as_ok(prof_path, tmp_path, fake):
     run_dir = tmp_path / "run"
     res, _ = sweep_run(prof_path, run_dir)
-    rec, _ = sweep.point_paths(run_dir, res[1]["point_id"])
+    rec, _ = store.point_paths(run_dir, res[1]["point_id"])
     _truncate(rec)
     (run_dir / "points" / "broken.json").write_text("{")
     with pytest.warns(UserWarning) as caught:
-        pts, recs = sweep.load_results(run_dir)
+        pts, recs = store.load_results(run_dir)
     text = " ".join(str(w.message) for w in caught)
     assert str(rec) in text and "broken.json" in text
     assert dict(zip(pts.point_id, pts.status)) == {res[0]["point_id"]: "ok",
@@ -291,12 +324,31 @@ def test_notebook_kernel_of_the_holder_passes_through_the_lock(tmp_path):
         assert stranger.returncode != 0 and "in use by pid" in stranger.stderr
 
 
+def test_multipass_groups_and_rescoring_take_the_run_lock(prof_path, tmp_path):
+    run_dir = tmp_path / "run"
+    code = ("import sys; import pandas as pd; from speclab import multipass, profiles\n"
+            "prof = profiles.load(sys.argv[2])\n"
+            "for job in (lambda: multipass.run_groups(prof, sys.argv[1], []),\n"
+            "            lambda: multipass.rescore(prof, sys.argv[1], pd.DataFrame(\n"
+            "                {'prompt_id': [], 'position': [], 'prefix': []}))):\n"
+            "    try:\n"
+            "        job()\n"
+            "    except Exception as e:\n"
+            "        print(type(e).__name__)\n")
+    with runlock.hold(run_dir):
+        out = subprocess.run(
+            [sys.executable, "-c", code, str(run_dir), str(prof_path)], capture_output=True,
+            text=True, env={k: v for k, v in {**os.environ, "PYTHONPATH": str(SRC)}.items()
+                            if k != runlock.ENV})
+    assert out.stdout.split() == ["RunLocked", "RunLocked"], out.stdout + out.stderr
+
+
 # --------------------------------------------------------------------- parent killed
 SWEEP = f"""
 import sys
 sys.path.insert(0, {str(TESTS)!r})
-from speclab import profiles, sweep
-sweep.WORKER = sys.argv[3]
+from speclab import launch, profiles, sweep
+launch.WORKER = sys.argv[3]
 sweep.run(profiles.load(sys.argv[1]), sys.argv[2], progress=False)
 """
 
@@ -315,21 +367,33 @@ def test_a_killed_sweep_takes_its_worker_and_the_workers_children_along(prof_pat
     assert not list((run_dir / "points").glob("*.json"))
 
 
+GROUPS = """
+import sys
+from speclab import multipass, profiles
+from speclab.profiles import Point
+multipass.run_groups(profiles.load("tiny-cpu"), sys.argv[1],
+                     [multipass.same_engine_repeats("noise", Point(k=0), 2)])
+"""
+
+
 @pytest.mark.vllm
-def test_the_real_worker_dies_with_its_parent(tmp_path, fixture_cache):
-    """speclab.worker itself on tiny-cpu, killed while it starts its engine."""
+@pytest.mark.parametrize("child", ["worker", "multipass"])
+def test_a_real_engine_process_dies_with_its_parent(tmp_path, fixture_cache, child):
+    """speclab.worker (a sweep point) or speclab.multipass (a parity group, as a notebook
+    runs it) on tiny-cpu, its parent killed while it starts its engine: nothing is left."""
     run_dir = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), str(TESTS)]),
            "SPECLAB_CACHE": str(fixture_cache.parent)}
-    parent = subprocess.Popen([sys.executable, "-c", SWEEP, "tiny-cpu", str(run_dir),
-                               "speclab.worker"], env=env)
-    worker = f"{run_dir}/logs/"
-    assert wait_for(lambda: processes_naming(worker), 300), "no worker started"
+    args, name = {"worker": ([SWEEP, "tiny-cpu", str(run_dir), "speclab.worker"],
+                             f"{run_dir}/logs/"),
+                  "multipass": ([GROUPS, str(run_dir)], f"{run_dir}/logs/group-noise.spec")}[child]
+    parent = subprocess.Popen([sys.executable, "-c", *args], env=env)
+    assert wait_for(lambda: processes_naming(name), 300), f"no {child} started"
     time.sleep(3)
-    assert processes_naming(worker), "the worker ended before its parent was killed"
+    assert processes_naming(name), f"the {child} ended before its parent was killed"
     parent.kill()
     parent.wait()
-    assert wait_for(lambda: not processes_naming(worker), 3), "the worker outlived its parent"
+    assert wait_for(lambda: not processes_naming(name), 5), f"the {child} outlived its parent"
 
 
 # --------------------------------------------------------------------- early checks
@@ -379,6 +443,47 @@ def test_unknown_notebook_refused_before_the_run_folder_exists(prof_path, tmp_pa
                      "--notebooks", "01_sweeep"]) == 2
     assert "unknown notebook '01_sweeep' (did you mean 01_sweep?)" in capsys.readouterr().err
     assert not run_dir.exists()
+
+
+@pytest.mark.parametrize("bad, message", [
+    (b'{"id": "b", "prompt": "caf\xff"}\n', "not UTF-8 (byte 0xff at column 27)"),
+    (b'{"id": "b", "prompt": \n', "bad prompt record"),
+])
+def test_a_bad_prompt_line_is_named_before_the_run(prof_path, tmp_path, capsys, fake, bad,
+                                                   message):
+    pfile = tmp_path / "prompts.jsonl"
+    pfile.write_bytes(b'{"id": "a", "prompt": "fine"}\n' + bad)
+    path = _profile(tmp_path, prof_path, prompts={"file": str(pfile)})
+    run_dir = tmp_path / "never"
+    assert cli.main(["sweep", "--profile", str(path), "--run-id", str(run_dir)]) == 2
+    err = capsys.readouterr().err
+    assert f"prompts.file: {pfile}:2: {message}" in err, err
+    assert not run_dir.exists() and not starts(fake)
+
+
+def test_an_only_that_matches_nothing_is_refused(prof_path, tmp_path, capsys):
+    run_dir = tmp_path / "never"
+    assert cli.main(["sweep", "--profile", str(prof_path), "--run-id", str(run_dir),
+                     "--only", "k9_*"]) == 2
+    err = capsys.readouterr().err
+    assert "--only k9_*: matches none of the 2 points (k0_kv-auto_tp1_raw, " in err, err
+    assert not run_dir.exists()
+
+
+def test_a_run_folder_that_cannot_be_written_is_one_line(prof_path, capsys):
+    assert cli.main(["sweep", "--profile", str(prof_path),
+                     "--run-id", "/sys/kernel/speclab-test/run"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("speclab: error: ") and "'/sys/kernel/speclab-test" in err, err
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+
+
+def test_the_resume_line_repeats_the_override(prof_path):
+    a = cli.build_parser().parse_args(["sweep", "--profile", str(prof_path), "--run-id", "r",
+                                       "--override", "{prompts: {limit: 4}}"])
+    cli._run_id(a, profiles.load(prof_path, {"prompts": {"limit": 4}}))
+    assert a.resume.endswith(f"`speclab sweep --profile {prof_path} --run-id r "
+                             "--override '{prompts: {limit: 4}}'`"), a.resume
 
 
 @pytest.mark.parametrize("levels", ["0", "-1", "1,0", "x"])

@@ -1,5 +1,5 @@
 """Stand-in for `speclab.worker` in the trust tests: keeps the worker's contract (tied to its
-parent by `worker.guard_parent`; writes the point's records and metadata, or a timing round's
+parent by `launch.guard_parent`; writes the point's records and metadata, or a timing round's
 pass) without loading an engine, so sweeps run in seconds.
 
 Environment: TRUST_LOG appends "<point id> <mode> <round>" per start; TRUST_SLEEP waits that
@@ -15,16 +15,14 @@ from pathlib import Path
 
 import pandas as pd
 
-from speclab import fingerprint
-from speclab.profiles import Profile
-from speclab.sweep import Point, write_point
-from speclab.worker import guard_parent
+from speclab import fingerprint, launch, store
+from speclab.profiles import Point, Profile
 
 
 def main(spec_path: str) -> int:
     started = time.time()
     spec = json.loads(Path(spec_path).read_text())
-    if not guard_parent(spec):
+    if not launch.guard_parent(spec):
         return 1
     profile = Profile.model_validate(spec["profile"])
     point = Point.model_validate(spec["point"])
@@ -44,11 +42,11 @@ def main(spec_path: str) -> int:
         return 0
     records = pd.DataFrame({"point_id": [point.id] * 2, "k": [point.k] * 2,
                             "n_output": [profile.max_tokens] * 2})
-    write_point(Path(spec["run_dir"]), point.id, records, {
-        "point_id": point.id, "status": "ok", "point": point.model_dump(mode="json"),
-        "started_at": started, "sampling": fingerprint.sampling(profile, point),
-        "fingerprint": spec["fingerprint"], "n_requests": 2, "throughput_tok_s": tok_s,
-        "passes": [passed]})
+    store.write_point(Path(spec["run_dir"]), store.PointResult(
+        point_id=point.id, status="ok", point=point.model_dump(mode="json"),
+        started_at=started, sampling=fingerprint.sampling(profile, point),
+        fingerprint=spec["fingerprint"], n_requests=2, throughput_tok_s=tok_s,
+        passes=[passed]), records)
     return 0
 
 

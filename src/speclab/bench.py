@@ -10,7 +10,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from speclab import analysis, engine, plots, profiles, prompts, sweep
+from speclab import analysis, engine, launch, plots, profiles, prompts, store
 
 
 def main(profile_name: str, k: int, run_id: str) -> int:
@@ -19,18 +19,18 @@ def main(profile_name: str, k: int, run_id: str) -> int:
     if problems:
         raise profiles.ProfileError("\n".join(problems))
     g = prof.grid
-    point = sweep.Point(k=k, kv_cache_dtype=g.kv_cache_dtype[0],
+    point = profiles.Point(k=k, kv_cache_dtype=g.kv_cache_dtype[0],
                         draft_kv_cache_dtype=g.draft_kv_cache_dtype[0] if k else None,
                         layout=g.layout[0], prompt_format=g.prompt_format[0])
     run_dir = Path(tempfile.mkdtemp(prefix=f"speclab-{run_id}-"))
     try:
         t0 = time.perf_counter()
-        meta = sweep.run_point(prof, point, run_dir)
+        meta = launch.run_point(prof, point, run_dir)
         if meta["status"] != "ok":
             print(f"point failed: {meta['error']}\n{meta.get('log_tail', '')}")
             return 1
         p0 = time.perf_counter()
-        pts, recs = sweep.load_results(run_dir)
+        pts, recs = store.load_results(run_dir)
         figs = []
         if k:
             acc = analysis.acceptance(recs)
@@ -65,7 +65,7 @@ def overhead(profile_name: str, k: int, rounds: int) -> int:
     import os
 
     prof = profiles.load(profile_name)
-    point = next((p for p in sweep.expand(prof) if p.k == k), None)
+    point = next((p for p in profiles.expand(prof) if p.k == k), None)
     if point is None:
         raise ValueError(f"k={k} is not in profile {prof.name}'s grid")
     os.environ.update(prof.env)

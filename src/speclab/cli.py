@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import signal
 import sys
 import time
@@ -68,13 +69,15 @@ def _out_roots(a) -> tuple[Path | None, Path | None]:
 def _run_id(a, prof) -> str:
     """--run-id, else `<profile>-local`; --fresh adds the time (a new, empty run folder).
     Sets a.resume, the line an interrupt prints."""
-    from speclab import sweep
+    from speclab import store
 
-    run_id = a.run_id or sweep.default_run_id(prof.name)
+    run_id = a.run_id or store.default_run_id(prof.name)
     if a.fresh:
-        run_id = sweep.fresh_run_id(run_id)
-    a.resume = (f"finished points are kept in {sweep.run_dirs(run_id)[0]}; resume with "
-                f"`speclab {a.cmd} --profile {a.profile} --run-id {run_id}`")
+        run_id = store.fresh_run_id(run_id)
+    again = f"speclab {a.cmd} --profile {a.profile} --run-id {run_id}" + (
+        f" --override {shlex.quote(a.override)}" if a.override else "")
+    a.resume = (f"finished points are kept in {store.run_dirs(run_id)[0]}; resume with "
+                f"`{again}`")
     return run_id
 
 
@@ -97,7 +100,7 @@ def _notebooks(names: str | None) -> list[str]:
 
 
 def cmd_run(a) -> int:
-    from speclab import profiles, report, runlock, sweep
+    from speclab import profiles, report, runlock, store
 
     t0 = time.time()
     notebooks = _notebooks(a.notebooks)
@@ -107,7 +110,7 @@ def cmd_run(a) -> int:
     runs_root, figures_root = _out_roots(a)
     run_id = _run_id(a, profiles.load(a.profile, params.get("overrides")))
     try:
-        with runlock.hold(sweep.run_dirs(run_id, runs_root)[0]):
+        with runlock.hold(store.run_dirs(run_id, runs_root)[0]):
             path = report.run_suite(a.profile, run_id=run_id, notebooks=notebooks,
                                     parameters=params, runs_root=runs_root,
                                     figures_root=figures_root)
@@ -131,7 +134,7 @@ def _levels(text: str) -> list[int]:
 def cmd_sweep(a) -> int:
     import fnmatch
 
-    from speclab import parity, profiles, server, sweep
+    from speclab import parity, profiles, server, store, sweep
 
     over = _override(a.override) or {}
     if a.executor:
@@ -145,15 +148,19 @@ def cmd_sweep(a) -> int:
     problems = profiles.check_env(prof)
     if problems:
         raise profiles.ProfileError("\n".join(problems))
-    points = sweep.expand(prof)
+    points = profiles.expand(prof)
     if a.with_parity:
         points += parity.points_of(parity.plan(prof, prof.parity.arms,
                                                k_values=prof.parity.k_values,
                                                spec_k=prof.parity.spec_k))
     points = list({p.id: p for p in points}.values())
     if a.only:
-        points = [p for p in points if any(fnmatch.fnmatch(p.id, g) for g in a.only.split(","))]
-    run_dir, _ = sweep.run_dirs(_run_id(a, prof), _out_roots(a)[0])
+        chosen = [p for p in points if any(fnmatch.fnmatch(p.id, g) for g in a.only.split(","))]
+        if not chosen:
+            raise ValueError(f"--only {a.only}: matches none of the {len(points)} points "
+                             f"({', '.join(p.id for p in points)})")
+        points = chosen
+    run_dir, _ = store.run_dirs(_run_id(a, prof), _out_roots(a)[0])
     if a.mode == "server":
         res = [m for p in points for m in server.run_point(prof, p, run_dir, levels)]
     else:
@@ -165,13 +172,13 @@ def cmd_sweep(a) -> int:
 
 
 def cmd_profile(a) -> int:
-    from speclab import engine, memory, profiles, sweep, vllm_matrix
+    from speclab import engine, memory, profiles, releases
 
     if a.action == "list":
         print("\n".join(profiles.available()))
         return 0
     prof = profiles.load(a.name)
-    points = sweep.expand(prof)
+    points = profiles.expand(prof)
     print(f"profile {prof.name}: valid ({len(points)} points)")
     print(f"  {prof.description}".rstrip())
     seen = set()
@@ -192,7 +199,7 @@ def cmd_profile(a) -> int:
                                            if e.verdict == "does not fit"]
     for msg in problems:
         print(f"  not runnable here: {msg}")
-    if warning := vllm_matrix.horizon(profiles.installed_vllm()):
+    if warning := releases.horizon(profiles.installed_vllm()):
         print(f"  warning: {warning}")
     return 1 if problems and a.strict else 0
 
@@ -408,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         return a.fn(a)
-    except (ProfileError, ValueError, FileNotFoundError, RunLocked) as e:
+    except (ProfileError, ValueError, OSError, RunLocked) as e:  # OSError: unwritable, full
         print(f"speclab: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

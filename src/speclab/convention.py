@@ -305,12 +305,11 @@ def plot(table, title: str = ""):
 
 
 # --------------------------------------------------------------------------- provenance
-def run_summary(run_dir: Path) -> list[dict]:
-    """The distinct resolutions recorded by a run's points (metadata ``aux_convention``),
-    each with the points that used it."""
+def run_summary(metas: list[dict]) -> list[dict]:
+    """The distinct resolutions recorded by a run's points (`store.point_metas`, metadata
+    ``aux_convention``), each with the points that used it."""
     seen: dict[str, dict] = {}
-    for meta_path in sorted((Path(run_dir) / "points").glob("[!.]*.json")):
-        meta = json.loads(meta_path.read_text())
+    for meta in metas:
         res = meta.get("aux_convention")
         if res:
             key = json.dumps(res, sort_keys=True)

@@ -1,5 +1,5 @@
 """The Ray executor: every point is one Ray task in a placement group (STRICT_PACK: its TP x DP
-GPUs, or CPUs, on one node) that runs `sweep.run_point` in a scratch folder on that node and
+GPUs, or CPUs, on one node) that runs `launch.run_point` in a scratch folder on that node and
 returns the folder's files; the driver writes them through the run store. Nothing assumes a
 shared filesystem.
 
@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from speclab import launch, profiles, store
 from speclab.profiles import Profile, ProfileError, prompt_file
 
 
@@ -61,29 +62,27 @@ def side_by_side(spans: dict[str, tuple], point_id: str, end: float) -> list[str
 # --------------------------------------------------------------------- on the node
 def run_on_node(profile_json: str, point_json: str, prompts: bytes, asked_cpus: bool,
                 rounds: int = 1, fp: dict | None = None) -> dict:
-    """Ray task body: run one point through `sweep.run_point` in a scratch folder (with the
+    """Ray task body: run one point through `launch.run_point` in a scratch folder (with the
     driver's prompt file), then its timing rounds 2..rounds on the same node (the driver may
     have no GPU), and return that folder's files with where and how it ran. fp: the driver's
     fingerprint of the point (its prompt file, not the node's scratch copy)."""
     import ray
 
-    from speclab import sweep
-
     t0 = time.time()
     if not asked_cpus:
         _drop_ray_thread_cap()
     prof = Profile.model_validate_json(profile_json)
-    point = sweep.Point.model_validate_json(point_json)
+    point = profiles.Point.model_validate_json(point_json)
     with tempfile.TemporaryDirectory(prefix="speclab-point-") as tmp:
         pfile = Path(tmp) / Path(prof.prompts.file).name
         pfile.write_bytes(prompts)
         prof = prof.model_copy(update={"prompts": prof.prompts.model_copy(
             update={"file": str(pfile)})})
         scratch = Path(tmp) / "run"
-        meta = sweep.run_point(prof, point, scratch, fp)
+        meta = launch.run_point(prof, point, scratch, fp)
         for rnd in range(2, rounds + 1):
             if meta["status"] == "ok":
-                meta = sweep.timing_round(prof, point, scratch, rnd)
+                meta = launch.timing_round(prof, point, scratch, rnd)
         files = {str(p.relative_to(scratch)): p.read_bytes() for p in scratch.rglob("*")
                  if p.is_file() and not p.name.startswith(".")}
     ctx = ray.get_runtime_context()
@@ -118,7 +117,6 @@ def run(profile: Profile, run_dir: Path, points: list, fps: dict[str, dict],
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
     except ImportError:
         raise ProfileError("executor ray needs Ray: pip install 'speclab[ray]'") from None
-    from speclab import sweep
 
     own = not ray.is_initialized()
     if own:
@@ -137,7 +135,7 @@ def run(profile: Profile, run_dir: Path, points: list, fps: dict[str, dict],
         if need > node_size:
             raise ProfileError(f"a point needs {need} {res} on one node; the largest node of "
                                f"the Ray cluster has {node_size:g}")
-        grid = {p.id for p in sweep.expand(profile)}
+        grid = {p.id for p in profiles.expand(profile)}
         by_id = {p.id: p for p in points}
         retries: dict[str, list] = {p.id: [] for p in points}
         prompts = prompt_file(profile).read_bytes()
@@ -215,8 +213,6 @@ def _store(run_dir: Path, point, out: dict, executor: dict, beside: list[str]) -
     become the run folder's); a point without results gets an error record."""
     import pandas as pd
 
-    from speclab import sweep
-
     files = out.get("files", {})
     scratch = out.get("scratch")
     rec_name, meta_name = (f"points/{point.id}.parquet", f"points/{point.id}.json")
@@ -225,7 +221,7 @@ def _store(run_dir: Path, point, out: dict, executor: dict, beside: list[str]) -
             continue
         if name.endswith(".json") and scratch:
             data = data.replace(scratch.encode(), str(run_dir).encode())
-        sweep.atomic_write(run_dir / name, data)
+        store.atomic_write(run_dir / name, data)
     if "meta" in out:
         meta = json.loads(json.dumps(out["meta"]).replace(scratch, str(run_dir)))
     else:
@@ -233,9 +229,8 @@ def _store(run_dir: Path, point, out: dict, executor: dict, beside: list[str]) -
                 "error": out["error"]}
     records = pd.read_parquet(io.BytesIO(files[rec_name])) if (
         meta["status"] == "ok" and rec_name in files) else None
-    meta.update(executor=executor, side_by_side=beside)
-    sweep.write_point(run_dir, point.id, records, meta)
-    return meta
+    return store.write_point(run_dir, store.PointResult.model_validate(
+        {**meta, "executor": executor, "side_by_side": beside}), records)
 
 
 def _label(nodes: dict, node_id: str) -> str:

@@ -1,6 +1,6 @@
 """Executors: where a sweep's points run. `local` runs them one after another in worker
 processes on this machine; `ray` (speclab.executor_ray) places them on a Ray cluster. Both run
-a point through `sweep.run_point`, and both yield each point's metadata once the driver has
+a point through `launch.run_point`, and both yield each point's metadata once the driver has
 written its results to the run folder."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from speclab import launch
 from speclab.profiles import Profile
 from speclab.progress import PREFIX, duration
 
@@ -49,10 +50,8 @@ def execute(profile: Profile, run_dir: Path, points: list, log: Callable | None 
 
 def local(profile: Profile, run_dir: Path, points: list, fps: dict[str, dict]
           ) -> Iterator[dict]:
-    from speclab import sweep
-
     for point in points:
-        yield sweep.run_point(profile, point, run_dir, fps.get(point.id))
+        yield launch.run_point(profile, point, run_dir, fps.get(point.id))
 
 
 class Progress:

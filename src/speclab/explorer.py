@@ -4,12 +4,11 @@ AL and throughput vs k, and greedy parity against plain decoding for that slice.
 
 `explorer(...)` is the ipywidgets view for JupyterLab; `figure(...)` draws one slice as a
 static matplotlib figure (what a headless papermill run shows). Both read result files only
-(`sweep.load_results`)."""
+(`store.load_results`)."""
 
 from __future__ import annotations
 
 import io
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,8 +17,8 @@ import matplotlib.pyplot as plt
 import matplotlib.ticker
 import pandas as pd
 
-from speclab import analysis, metrics, parity, sweep
-from speclab.sweep import Point
+from speclab import analysis, metrics, parity, store
+from speclab.profiles import Point
 
 # Dimensions a slice fixes (besides k, which the per-position panel picks).
 DIMS = ("kv_cache_dtype", "draft_kv_cache_dtype", "layout", "prompt_format", "category",
@@ -59,8 +58,8 @@ def variant(meta: dict) -> str:
 def find_runs(root: str | Path) -> list[Path]:
     """Run folders under root that hold at least one finished point."""
     root = Path(root)
-    return sorted(d for d in root.iterdir() if d.is_dir() and any(
-        (d / "points").glob("[!.]*.json"))) if root.is_dir() else []
+    return sorted(d for d in root.iterdir() if d.is_dir() and store.has_points(d)
+                  ) if root.is_dir() else []
 
 
 def load(run_dirs: Sequence[str | Path]) -> tuple[pd.DataFrame, pd.DataFrame]:
@@ -68,11 +67,10 @@ def load(run_dirs: Sequence[str | Path]) -> tuple[pd.DataFrame, pd.DataFrame]:
     variant; plain-point rows get draft_kv_cache_dtype '-'."""
     pts, recs = [], []
     for d in map(Path, run_dirs):
-        p, r = sweep.load_results(d)
+        p, r = store.load_results(d)
         if p.empty:
             continue
-        metas = {m["point_id"]: m for m in (json.loads(f.read_text())
-                                            for f in (d / "points").glob("[!.]*.json"))}
+        metas = {m["point_id"]: m for m in store.point_metas(d)}
         a = parity.recorded_analysis(d)  # notebook 03's classes for this run
         p = p.assign(run=d.name, variant=[variant(metas[i]) for i in p.point_id],
                      parity_near_tie=a.get("near_tie"), parity_noise_floor=a.get("noise_floor"))

@@ -29,7 +29,6 @@ import argparse
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -161,9 +160,13 @@ def resolved(llm) -> dict:
 
 
 def worker(spec: dict, out_fd: int) -> int:
-    """One engine: build it, say so, then answer commands (JSON lines on stdin)."""
-    from speclab import metrics, steptiming
+    """One engine: build it, say so, then answer commands (JSON lines on stdin). Tied to
+    the driver: its group (vLLM's engine core included) ends when the driver dies."""
+    from speclab import launch, metrics, steptiming
     from speclab.fixtures import realshape
+
+    if not launch.guard_parent(spec):
+        return 1
 
     out = os.fdopen(out_fd, "w", buffering=1)
 
@@ -282,6 +285,9 @@ class Worker:
         raise TimeoutError(f"{self.eng.name}: no answer in {timeout:.0f} s")
 
     def stop(self) -> None:
+        """Ask the worker to stop, then end its group (engine core included)."""
+        from speclab import launch
+
         try:
             if self.proc.poll() is None:
                 self.proc.stdin.write(json.dumps({"op": "stop"}) + "\n")
@@ -289,12 +295,7 @@ class Worker:
                 self.proc.wait(timeout=30)
         except (OSError, subprocess.TimeoutExpired, ValueError):
             pass
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                break
-            time.sleep(2)
+        launch.stop(self.proc)
 
 
 def start_worker(eng: Engine, args: dict, state: Path) -> Worker:
@@ -303,13 +304,15 @@ def start_worker(eng: Engine, args: dict, state: Path) -> Worker:
     log_path.parent.mkdir(parents=True, exist_ok=True)
     timing = state / "steptiming" / eng.name
     timing.mkdir(parents=True, exist_ok=True)
-    spec = {"args": args, "k": eng.k, "timing_dir": str(timing), "log_path": str(log_path)}
+    from speclab import launch
+
+    spec = {"args": args, "k": eng.k, "timing_dir": str(timing), "log_path": str(log_path),
+            "parent_pid": os.getpid()}
     env = {**os.environ, "SPECLAB_STEP_TIMING": str(timing), "PYTHONUNBUFFERED": "1"}
     with open(log_path, "a") as fh:
-        proc = subprocess.Popen([sys.executable, "-m", "speclab.gpubench", "worker",
-                                 json.dumps(spec), str(w)], stdin=subprocess.PIPE, stdout=fh,
-                                stderr=subprocess.STDOUT, text=True, pass_fds=(w,),
-                                start_new_session=True, env=env)
+        proc = launch.start([sys.executable, "-m", "speclab.gpubench", "worker",
+                             json.dumps(spec), str(w)], fh, env, stdin=subprocess.PIPE,
+                            pass_fds=(w,), text=True)
     os.close(w)
     return Worker(eng, proc, os.fdopen(r), log_path)
 

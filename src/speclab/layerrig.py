@@ -269,15 +269,16 @@ def check_run(expected: dict, arm: str, run_dir: Path) -> dict:
     round."""
     import pandas as pd
 
+    from speclab import store
+
     exp = expected["arms"][arm]["counters"]
     k = expected["k"]
-    points = [json.loads(p.read_text()) for p in sorted((Path(run_dir) / "points").glob(
-        f"k{k}_*.json"))]
-    points = [p for p in points if p.get("status") == "ok"]
+    points = [m for m in store.point_metas(run_dir)
+              if m["point_id"].startswith(f"k{k}_") and m["status"] == "ok"]
     if len(points) != 1:
         raise ValueError(f"{run_dir}: want one finished k={k} point, found {len(points)}")
     got = points[0]["counters"]
-    rows = pd.read_parquet(Path(run_dir) / "points" / f"{points[0]['point_id']}.parquet")
+    rows = pd.read_parquet(store.point_paths(run_dir, points[0]["point_id"])[0])
     rows = rows.set_index("prompt_id").loc[expected["prompt_ids"]]
     per_prompt = [{"num_drafts": int(r.drafts), "accepted_per_pos": [int(a) for a in
                                                                       r.accepted_per_pos]}

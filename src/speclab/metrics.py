@@ -162,11 +162,14 @@ def parse_log_line(line: str) -> dict | None:
     """One `SpecDecoding metrics:` log line → dict, by field name (both vLLM wordings:
     older lines start with `Draft acceptance rate: x%` and may lack the mean acceptance
     length and per-position fields); NaN values are None. Returns None for other lines and
-    raises ValueError (naming the field) for a matching line with a malformed number."""
+    raises ValueError (naming the field) for a matching line with a malformed number or with
+    none of the fields."""
     if "SpecDecoding metrics:" not in line:
         return None
     body = line.split("SpecDecoding metrics:", 1)[1]
     found = {k: re.search(p, body) for k, p in _LOG_FIELDS.items()}
+    if not any(found.values()):
+        raise ValueError("no counters or rates after 'SpecDecoding metrics:'")
     accepted = int(found["accepted"].group(1)) if found["accepted"] else None
     drafted = int(found["drafted"].group(1)) if found["drafted"] else None
     if found["acceptance_pct"]:
@@ -308,3 +311,13 @@ def ideal_speedup(mean_acceptance_length: float, k: int, draft_cost: float) -> f
     """Best wall-clock speedup AL / (1 + k c) when one draft forward costs c target forwards
     (ignores the verify pass's extra cost over a plain decode step)."""
     return mean_acceptance_length / (1.0 + k * draft_cost)
+
+
+def first_divergence(ref: Sequence[int], cand: Sequence[int]) -> int | None:
+    """Index of the first differing token (a length difference counts at the shorter end);
+    None when the sequences are identical."""
+    n = min(len(ref), len(cand))
+    diff = np.flatnonzero(np.asarray(ref[:n]) != np.asarray(cand[:n]))
+    if diff.size:
+        return int(diff[0])
+    return None if len(ref) == len(cand) else n

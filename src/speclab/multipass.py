@@ -5,9 +5,10 @@ no plain pass saw.
 A `Group` is one engine (`engine_point`: its configuration, and any defect that must exist
 before the model loads) and the passes it runs, each recorded as its own point of the run
 folder in the sweep's format (`points/<id>.parquet|json`, metadata `engine_group` and
-`pass_index`), so `sweep.load_results` reads them with the rest. Plain passes request top-2
-logprobs in the pass itself. `python -m speclab.multipass SPEC.json` runs one group (or one
-rescoring job) in a fresh process, like `speclab.worker`.
+`pass_index`), so `store.load_results` reads them with the rest; a pass is resumed only
+when its fingerprint still matches, like a sweep point. Plain passes request top-2 logprobs
+in the pass itself. `python -m speclab.multipass SPEC.json` runs one group (or one rescoring
+job) in a fresh process tied to its parent (speclab.launch), like `speclab.worker`.
 """
 
 from __future__ import annotations
@@ -15,8 +16,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import signal
-import subprocess
 import sys
 import time
 import traceback
@@ -25,8 +24,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from speclab.profiles import Profile
-from speclab.sweep import Point, atomic_write, read_meta, write_point
+from speclab import fingerprint, launch, runlock, store
+from speclab.profiles import Point, Profile
 
 GROUP_ENV = "SPECLAB_ENGINE_GROUP"
 RESCORE_FILE = "rescore.parquet"
@@ -51,64 +50,60 @@ def prefix_sha(ids) -> str:
     return hashlib.sha1(json.dumps([int(i) for i in ids]).encode()).hexdigest()[:16]
 
 
-def _subprocess(spec: dict, run_dir: Path, name: str, env_extra: dict, timeout: float) -> str | None:
-    """Run `python -m speclab.multipass` on `spec`; None or the error."""
-    spec_path = run_dir / "logs" / f"{name}.spec.json"
-    atomic_write(spec_path, json.dumps(spec))
-    env = {**os.environ, **env_extra, "PYTHONUNBUFFERED": "1"}
-    with open(run_dir / "logs" / f"{name}.log", "wb") as log_f:
-        proc = subprocess.Popen([sys.executable, "-m", "speclab.multipass", str(spec_path)],
-                                stdout=log_f, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True)
-        try:
-            rc = proc.wait(timeout=timeout)
-            return None if rc == 0 else f"exited with {rc}"
-        except BaseException as e:
-            for sig in (signal.SIGTERM, signal.SIGKILL):
-                try:
-                    os.killpg(proc.pid, sig)
-                    proc.wait(timeout=10)
-                    break
-                except (ProcessLookupError, subprocess.TimeoutExpired):
-                    continue
-            if isinstance(e, subprocess.TimeoutExpired):
-                return f"timeout after {timeout:.0f} s"
-            raise
+def _subprocess(spec: dict, run_dir: Path, name: str, env: dict, timeout: float) -> str | None:
+    """Run `python -m speclab.multipass` on `spec` (launch.run_module); None or the error."""
+    return launch.run_module("speclab.multipass", spec, run_dir / "logs" / f"{name}.spec.json",
+                             run_dir / "logs" / f"{name}.log", env, timeout)
 
 
 def run_groups(profile: Profile, run_dir: Path, groups: list[Group], log=print) -> None:
-    """Run every group with an unfinished pass (finished passes are kept and skipped)."""
-    from speclab.sweep import prepare_models
-
+    """Run every group with a pass to measure, holding the run folder's lock: a pass is kept
+    only when it finished with this machine's and profile's fingerprint (mode "multipass");
+    otherwise it is set aside with one line saying why (`store.needs_run`)."""
     run_dir = Path(run_dir)
-    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    atomic_write(run_dir / "profile.json", profile.model_dump_json(indent=1))
-    todo = [g for g in groups
-            if any((read_meta(run_dir, p.id) or {}).get("status") != "ok" for p in g.passes)]
-    if todo:
-        prepare_models(profile, [g.engine_point for g in todo])
+    with runlock.hold(run_dir, log):
+        _run_groups(profile, run_dir, groups, log)
+
+
+def _run_groups(profile: Profile, run_dir: Path, groups: list[Group], log) -> None:
+    stamp = store.stamp()
+    store.save_profile(profile, run_dir, stamp)
+    if groups:
+        launch.prepare_models(profile, [g.engine_point for g in groups])
+    fps = {p.id: fingerprint.of_point(profile, p, mode="multipass")
+           for g in groups for p in g.passes}
+    todo = [g for g in groups  # every pass is checked: a changed one is set aside
+            if any([store.needs_run(run_dir, p.id, fps[p.id], stamp, log) for p in g.passes])]
     for g in todo:
         spec = {"job": "group", "profile": profile.model_dump(mode="json"),
                 "engine_point": g.engine_point.model_dump(mode="json"), "name": g.name,
-                "passes": [p.model_dump(mode="json") for p in g.passes], "run_dir": str(run_dir)}
+                "passes": [p.model_dump(mode="json") for p in g.passes], "run_dir": str(run_dir),
+                "fingerprints": {p.id: fps[p.id] for p in g.passes}}
         err = _subprocess(spec, run_dir, f"group-{g.name}",
                           {**profile.env, **g.engine_point.env},
                           profile.timeout_s * (1 + len(g.passes) / 4))
         for i, p in enumerate(g.passes):
-            meta = read_meta(run_dir, p.id)
+            meta = store.read_meta(run_dir, p.id)
             if meta is None or meta.get("status") != "ok":
                 log(f"group {g.name} pass {i} ({p.id}) failed: {err or 'no result'}")
                 if meta is None:
-                    write_point(run_dir, p.id, None, {
-                        "point_id": p.id, "status": "error", "point": p.model_dump(mode="json"),
-                        "engine_group": g.name, "pass_index": i, "error": err or "no result"})
+                    store.write_point(run_dir, store.PointResult(
+                        point_id=p.id, status="error", point=p.model_dump(mode="json"),
+                        engine_group=g.name, pass_index=i, error=err or "no result",
+                        fingerprint=fps[p.id]))
 
 
 def rescore(profile: Profile, run_dir: Path, requests: pd.DataFrame, log=print) -> pd.DataFrame:
     """Top-1/top-2 margins of the plain engine after given prefixes (prompt_id, position,
     prefix: the output token ids before position), one token each with logprobs; appended to
-    the run's `rescore.parquet` (returned whole). Prefixes already there are not rerun."""
+    the run's `rescore.parquet` (returned whole). Prefixes already there are not rerun.
+    Holds the run folder's lock."""
     run_dir = Path(run_dir)
+    with runlock.hold(run_dir, log):
+        return _rescore(profile, run_dir, requests, log)
+
+
+def _rescore(profile: Profile, run_dir: Path, requests: pd.DataFrame, log) -> pd.DataFrame:
     path = run_dir / RESCORE_FILE
     have = pd.read_parquet(path) if path.exists() else pd.DataFrame(
         columns=["prompt_id", "position", "prefix_sha", "margin", "top1", "runner_up"])
@@ -120,9 +115,7 @@ def rescore(profile: Profile, run_dir: Path, requests: pd.DataFrame, log=print) 
     g = profile.grid
     base = Point(k=0, kv_cache_dtype=g.kv_cache_dtype[0], layout=g.layout[0],
                  prompt_format=g.prompt_format[0])
-    from speclab.sweep import prepare_models
-
-    prepare_models(profile, [base])
+    launch.prepare_models(profile, [base])
     spec = {"job": "rescore", "profile": profile.model_dump(mode="json"),
             "engine_point": base.model_dump(mode="json"), "run_dir": str(run_dir),
             "requests": [{"prompt_id": r.prompt_id, "position": int(r.position),
@@ -174,7 +167,7 @@ def _run_group(spec: dict) -> None:
                          SamplingParams(**{**sp_args, "max_tokens": profile.warmup_tokens}),
                          use_tqdm=False)
         for i, p in enumerate(passes):
-            if (read_meta(run_dir, p.id) or {}).get("status") == "ok":
+            if (store.read_meta(run_dir, p.id) or {}).get("status") == "ok":
                 continue
             started = time.time()
             defect = defects.from_env(p.env) or engine_defect
@@ -187,15 +180,15 @@ def _run_group(spec: dict) -> None:
             delta = metrics.from_snapshot(llm.get_metrics()) - before
             records = records_frame(profile, p, plist, ids, traces)
             n_out = int(records.n_output.sum())
-            write_point(run_dir, p.id, records, {
-                "point_id": p.id, "status": "ok", "point": p.model_dump(mode="json"),
-                "profile": profile.name, "engine_group": spec["name"], "pass_index": i,
-                "engine_args": args, "env": env, "defect": defects.describe(defect),
-                "counters": delta.to_dict(), "n_requests": len(records), "output_tokens": n_out,
-                "throughput_tok_s": n_out / gen_s, "versions": engine.versions(),
-                "timings": {"engine_init_s": init_s, "generate_s": gen_s},
-                "started_at": started, "finished_at": time.time(),
-                "command": " ".join(sys.argv)})
+            store.write_point(run_dir, store.PointResult(
+                point_id=p.id, status="ok", point=p.model_dump(mode="json"),
+                profile=profile.name, engine_group=spec["name"], pass_index=i,
+                engine_args=args, env=env, defect=defects.describe(defect),
+                counters=delta.to_dict(), n_requests=len(records), output_tokens=n_out,
+                throughput_tok_s=n_out / gen_s, versions=engine.versions(),
+                timings={"engine_init_s": init_s, "generate_s": gen_s},
+                started_at=started, finished_at=time.time(), command=" ".join(sys.argv),
+                fingerprint=spec["fingerprints"][p.id]), records)
 
 
 def _run_rescore(spec: dict) -> None:
@@ -225,13 +218,13 @@ def _run_rescore(spec: dict) -> None:
     old = pd.read_parquet(path) if path.exists() else None
     new = pd.concat([old, pd.DataFrame(rows)], ignore_index=True) if old is not None \
         else pd.DataFrame(rows)
-    tmp = path.with_name(f".{path.name}.tmp")
-    new.to_parquet(tmp, index=False)
-    os.replace(tmp, path)
+    store.write_parquet(path, new)
 
 
 def main(spec_path: str) -> int:
     spec = json.loads(Path(spec_path).read_text())
+    if not launch.guard_parent(spec):
+        return 1
     try:
         (_run_group if spec["job"] == "group" else _run_rescore)(spec)
         return 0

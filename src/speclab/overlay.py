@@ -183,7 +183,7 @@ def status(site: Path | None = None, probe: bool = False,
     draft KV dtype and aux-id convention in force, and ``horizon``: a warning when vLLM is
     newer than the matrix. Imports no vLLM unless ``probe`` (a subprocess that imports the
     patched modules and reports what was applied)."""
-    from speclab import vllm_matrix
+    from speclab import releases
 
     tree = _vllm_tree()
     pths = _find_pths(site)
@@ -242,7 +242,7 @@ def status(site: Path | None = None, probe: bool = False,
         "vllm": {"version": version, "path": str(tree) if tree else None},
         "support": support,
         "support_detail": detail,
-        "horizon": vllm_matrix.horizon(version),
+        "horizon": releases.horizon(version),
         "plan": plan,
         "not_patched": gaps,
         "facts": facts,

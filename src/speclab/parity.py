@@ -36,9 +36,10 @@ import numpy as np
 import pandas as pd
 
 from speclab.defects import Defect
+from speclab.metrics import first_divergence
 from speclab.multipass import GROUP_ENV, Group, prefix_sha, same_engine_repeats
-from speclab.profiles import Layout, Profile
-from speclab.sweep import Point, load_profile, load_results
+from speclab.profiles import Layout, Point, Profile
+from speclab.store import load_profile, load_results
 
 KINDS = ("near-tie", "within-noise", "substantive", "unscored")
 
@@ -73,16 +74,6 @@ def settings(profile: Profile, name: str = "pre-registered", **overrides) -> Set
     if "noise_floor" in overrides and not isinstance(overrides["noise_floor"], str):
         overrides["noise_floor"] = float(overrides["noise_floor"])
     return replace(base, **overrides)
-
-
-def first_divergence(ref: Sequence[int], cand: Sequence[int]) -> int | None:
-    """Index of the first differing token (a length difference counts at the shorter end);
-    None when the sequences are identical."""
-    n = min(len(ref), len(cand))
-    diff = np.flatnonzero(np.asarray(ref[:n]) != np.asarray(cand[:n]))
-    if diff.size:
-        return int(diff[0])
-    return None if len(ref) == len(cand) else n
 
 
 def _pass_margin(row, prefix: list[int], j: int) -> float:
@@ -645,12 +636,12 @@ def recorded_analysis(run_dir: Path | str) -> dict:
     """The near-tie threshold and noise floor notebook 03 recorded for a run ({} before it
     ran; runs older than the noise arm: the largest self-flip), so that other views (the
     explorer) classify divergences exactly as the report does."""
-    from speclab import report
+    from speclab import notebook
 
     nb = Path(run_dir) / "notebooks" / "03_parity.ipynb"
     if not nb.exists():
         return {}
-    rec = report.read_records(nb)
+    rec = notebook.read_records(nb)
     floor = (rec.get("noise") or {}).get("floor")
     if floor is None:
         floor = max((f["margin"] for f in rec.get("self_flips") or []), default=0.0)

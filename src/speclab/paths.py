@@ -32,17 +32,3 @@ def run_folders(run_id: str, runs_root: Path | None = None, figures_root: Path |
     return ((Path(runs_root) if runs_root else root / "data" / "runs") / run_id,
             (Path(figures_root) if figures_root else root / "figures") / run_id)
 
-
-def notebook_folders(profile: str, run_dir: str | None, figures_dir: str | None
-                     ) -> tuple[Path, Path]:
-    """A notebook's run and figure folders: the given ones, else the profile's own (named
-    after the profile), so a plain `papermill ... -p profile X` never writes into another
-    profile's run."""
-    if run_dir is None or figures_dir is None:
-        from speclab import profiles
-
-        d_run, d_fig = run_folders(Path(run_dir).name if run_dir is not None
-                                   else profiles.load(profile).name)
-        run_dir = run_dir if run_dir is not None else d_run
-        figures_dir = figures_dir if figures_dir is not None else d_fig
-    return Path(run_dir).resolve(), Path(figures_dir).resolve()

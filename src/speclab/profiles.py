@@ -1,12 +1,16 @@
 """Profiles: validated YAML configs that say what to run and how (profiles/*.yaml).
 
-`load(name_or_path)` parses and validates everything that needs no environment; `check_env`
-adds what depends on the machine (vLLM installed and its KV dtype names, GPU count, model
+`load(name_or_path)` parses and validates everything that needs no environment, and `expand`
+turns a profile's grid into `Point`s (one engine configuration each); `check_env` adds what
+depends on the machine (vLLM installed and its KV dtype names, GPU count, model
 files). Both fail with one clear line per problem before any model loads.
 """
 
 from __future__ import annotations
 
+import hashlib
+import itertools
+import json
 import os
 import shutil
 import subprocess
@@ -17,7 +21,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from speclab import convention
+from speclab import convention, prompts
 from speclab.paths import RESOURCES as REPO  # the checkout, or the wheel's copies
 
 PROFILE_DIR = Path(os.environ.get("SPECLAB_PROFILES", REPO / "profiles"))
@@ -67,10 +71,18 @@ class Grid(BaseModel):
             raise ValueError("aux_layer_convention: give distinct values (output, input)")
         return v
 
+    @field_validator("num_speculative_tokens", "kv_cache_dtype", "draft_kv_cache_dtype",
+                     "layout", "prompt_format")
+    @classmethod
+    def _not_empty(cls, v: list) -> list:
+        if not v:
+            raise ValueError("empty; give at least one value")
+        return v
+
     @field_validator("num_speculative_tokens")
     @classmethod
     def _k(cls, v: list[int]) -> list[int]:
-        if not v or any(k < 0 for k in v):
+        if any(k < 0 for k in v):
             raise ValueError("num_speculative_tokens: give k >= 0 values (0 = no-speculation baseline)")
         return sorted(set(v))
 
@@ -196,6 +208,65 @@ class Profile(BaseModel):
         return max(lay.gpus for lay in self.grid.layout)
 
 
+class Point(BaseModel):
+    """One engine configuration to run (a grid point or a parity arm)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    k: int
+    kv_cache_dtype: str = "auto"
+    draft_kv_cache_dtype: str | None = None
+    layout: Layout = Layout()
+    prompt_format: str = "raw"
+    aux_layer_convention: convention.Convention | None = None
+    repeat: int = 0
+    concurrency: int | None = Field(None, ge=1)
+    env: dict[str, str] = {}
+    engine: dict = {}
+
+    @property
+    def id(self) -> str:
+        parts = [f"k{self.k}", f"kv-{self.kv_cache_dtype}"]
+        if self.k > 0:
+            parts.append(f"dkv-{self.draft_kv_cache_dtype}")
+        if self.aux_layer_convention:
+            parts.append(f"aux-{self.aux_layer_convention}")
+        parts += [self.layout.label, self.prompt_format]
+        if self.concurrency is not None:
+            parts.append(f"c{self.concurrency}")
+        if self.env or self.engine:
+            blob = json.dumps([self.env, self.engine], sort_keys=True).encode()
+            parts.append("x" + hashlib.sha1(blob).hexdigest()[:8])
+        if self.repeat:
+            parts.append(f"r{self.repeat}")
+        return "_".join(parts)
+
+    @property
+    def logprobs(self) -> int:
+        """Plain (k=0) runs return top-2 logprobs: the parity analysis reads the target's
+        top-1/top-2 margin from them."""
+        return 2 if self.k == 0 else 0
+
+
+def expand(profile: Profile) -> list[Point]:
+    """The profile's grid as points (k=0 ignores the draft KV dtype and aux-layer
+    convention), repeats included."""
+    g = profile.grid
+    conventions = g.aux_layer_convention or [profile.aux_layer_convention]
+    seen: dict[str, Point] = {}
+    for lay in g.layout:
+        for fmt in g.prompt_format:
+            for kv in g.kv_cache_dtype:
+                for k in g.num_speculative_tokens:
+                    for dkv, conv in itertools.product(
+                            *((g.draft_kv_cache_dtype, conventions) if k > 0 else ([None],) * 2)):
+                        for r in range(profile.repeats):
+                            p = Point(k=k, kv_cache_dtype=kv, draft_kv_cache_dtype=dkv,
+                                      aux_layer_convention=conv, layout=lay, prompt_format=fmt,
+                                      repeat=r)
+                            seen.setdefault(p.id, p)
+    return list(seen.values())
+
+
 def available() -> list[str]:
     return sorted(p.stem for p in PROFILE_DIR.glob("*.yaml"))
 
@@ -226,9 +297,22 @@ def load(name_or_path: str | os.PathLike, overrides: dict | None = None) -> Prof
     try:
         return Profile.model_validate(data)
     except ValidationError as e:
-        lines = [f"{path.name}: {'.'.join(map(str, err['loc'])) or 'profile'}: {err['msg']}"
-                 for err in e.errors()]
+        lines = [f"{_source(err['loc'], overrides, path.name)}: "
+                 f"{'.'.join(map(str, err['loc'])) or 'profile'}: "
+                 f"{err['msg'].removeprefix('Value error, ')}" for err in e.errors()]
         raise ProfileError("\n".join(lines)) from None
+
+
+def _source(loc: tuple, overrides: dict | None, file: str) -> str:
+    """Where a bad value came from: "overrides" when the overrides set it, else the file."""
+    node = overrides
+    for key in loc:
+        if isinstance(node, dict) and key in node or \
+                isinstance(node, list) and isinstance(key, int) and key < len(node):
+            node = node[key]
+        else:
+            return file
+    return "overrides" if loc else file
 
 
 def _merge(base: dict, over: dict) -> dict:
@@ -351,6 +435,12 @@ def check_env(profile: Profile) -> list[str]:
     pfile = prompt_file(profile)
     if not pfile.exists():
         problems.append(f"prompts.file: {pfile} does not exist")
+    else:
+        try:
+            prompts.load(pfile, limit=profile.prompts.limit,
+                         categories=profile.prompts.categories, seed=profile.prompts.seed)
+        except ValueError as e:
+            problems.append(f"prompts.file: {e}")
     return problems
 
 

@@ -41,7 +41,12 @@ def load(path: str | Path, *, limit: int | None = None, categories: list[str] | 
     """Read a prompt set; filter by category; sample `limit` prompts by seed (stable order)."""
     path = Path(path)
     out = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
+    for n, raw in enumerate(path.read_bytes().splitlines(), 1):
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{path}:{n}: not UTF-8 (byte 0x{raw[e.start]:02x} at column "
+                             f"{e.start + 1})") from None
         if not line.strip():
             continue
         try:

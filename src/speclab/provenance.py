@@ -15,28 +15,24 @@ import sys
 import time
 from pathlib import Path
 
-from speclab import paths, profiles
+from speclab import paths, profiles, store
 from speclab.fingerprint import file_sha256
 
 
-def _point_metas(run_dir: Path) -> list[dict]:
-    out = []
-    for p in sorted((Path(run_dir) / "points").glob("[!._]*.json")):
-        try:
-            out.append(json.loads(p.read_text()))
-        except (OSError, json.JSONDecodeError):
-            continue
-    return out
+def hardware(versions: dict) -> str | None:
+    """"2x NVIDIA H200" or the CPU architecture, from a `versions()` dict."""
+    if versions.get("gpu"):
+        n = versions.get("gpu_count")
+        return f"{n}x {versions['gpu']}" if n and str(n) != "1" else str(versions["gpu"])
+    return f"CPU ({versions['processor']})" if versions.get("processor") else None
 
 
 def measured(run_dir: str | Path) -> dict:
     """{run, dates, hardware, vllm, torch, transformers, python, platform, cuda, gpu_driver}
     from the points' recorded versions (values joined with ", " where points differ) and the
     run's env.json when present. Empty values are left out."""
-    from speclab.summary import hardware
-
     run_dir = Path(run_dir)
-    metas = [m for m in _point_metas(run_dir) if m.get("versions")]
+    metas = [m for m in store.point_metas(run_dir) if m.get("versions")]
     vals: dict[str, list] = {}
 
     def add(key, value):
@@ -58,7 +54,7 @@ def measured(run_dir: str | Path) -> dict:
         for line in e.get("nvidia_smi") or []:
             add("gpu_driver", line.split(",")[-1].strip())
         add("cuda", e.get("cuda"))
-    stamps = [m.get("finished_at") or m.get("started_at") for m in _point_metas(run_dir)]
+    stamps = [m.get("finished_at") or m.get("started_at") for m in store.point_metas(run_dir)]
     stamps = [s for s in stamps if isinstance(s, (int, float))]
     out = {"run": run_dir.name}
     if stamps:

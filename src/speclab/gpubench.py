@@ -255,7 +255,7 @@ def worker(spec: dict, out_fd: int) -> int:
 LOG = logging.getLogger("speclab.gpubench")
 
 
-def _log_to(fh) -> logging.Handler:
+def _log_to(fh) -> list[logging.Handler]:
     """The driver's progress lines on stdout and in its log file `fh`."""
     fmt = logging.Formatter("[gpubench %(asctime)s] %(message)s", "%H:%M:%S")
     handlers = [logging.StreamHandler(sys.stdout), logging.StreamHandler(fh)]

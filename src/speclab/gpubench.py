@@ -388,6 +388,11 @@ def build_fixtures(plan: list[Engine], fh) -> dict[tuple[int, str, int], tuple[s
     return paths
 
 
+def draft_gib(draft: str) -> float:
+    """The draft checkpoint's size (0 where it is not built)."""
+    return sum(p.stat().st_size for p in Path(draft).glob("*.safetensors")) / GIB
+
+
 def index_gib(target: str) -> float:
     idx = json.loads((Path(target) / "model.safetensors.index.json").read_text())
     return idx["metadata"]["total_size"] / GIB
@@ -413,7 +418,8 @@ def _drive(state: Path, deadline: float, plan_name: str, rounds: int, paths, fh)
     engines_file = state / "engines.jsonl"
     done = {(r["engine"], r["op"], r["round"], r["B"]) for r in read_jsonl(results)}
     paths = paths or build_fixtures(plan, fh)
-    weights = {e.layers: index_gib(paths[e.fixture][0]) + 0.85 for e in plan}
+    weights = {e.layers: index_gib(paths[e.fixture][0]) + draft_gib(paths[e.fixture][1])
+               for e in plan}  # planned as if every engine loads a draft
     total, used = gpu_memory()
     overhead = OVERHEAD_GIB
     LOG.info(f"GPU {total:.1f} GiB ({used:.1f} used); weights GiB {weights}")

@@ -55,9 +55,9 @@ def acceptance_length(rates, k: int) -> float:
 # --------------------------------------------------------------------------- measurements
 def load(run_dir: Path) -> pd.DataFrame:
     """Every pass of a gpubench run (all calls: `results.jsonl` in the folder or below it)."""
-    rows = []
-    for path in sorted(Path(run_dir).rglob("results.jsonl")):
-        rows += [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    from speclab.gpubench import read_jsonl
+
+    rows = [r for path in sorted(Path(run_dir).rglob("results.jsonl")) for r in read_jsonl(path)]
     if not rows:
         raise FileNotFoundError(f"no results.jsonl under {run_dir}")
     return pd.DataFrame(rows)
@@ -167,9 +167,10 @@ def validate(results: pd.DataFrame, max_tokens: int = 128) -> pd.DataFrame:
     columns step_ms / pred_step_ms, speedup (CI) / pred_speedup, error = pred / measured - 1."""
     costs = step_costs(results, max_tokens)
     drafts = draft_ms(results)
+    timed = passes(results, max_tokens)
     rows = []
     for _, r in costs[costs.k > 0].iterrows():
-        p = predict(costs, drafts, _rates_for(r, results), ks=[r.k], batches=[r.B])
+        p = predict(costs, drafts, _rates_for(r, timed), ks=[r.k], batches=[r.B])
         p = p[(p.layers == r.layers) & (p.eager == r.eager)]
         if p.empty:
             continue
@@ -180,9 +181,9 @@ def validate(results: pd.DataFrame, max_tokens: int = 128) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def _rates_for(row, results: pd.DataFrame) -> list[float]:
-    """The measured per-position acceptance of one engine configuration and batch size."""
-    df = passes(results)
+def _rates_for(row, df: pd.DataFrame) -> list[float]:
+    """The measured per-position acceptance of one engine configuration and batch size, over
+    its timed passes `df` (`passes`)."""
     g = df[(df.layers == row.layers) & (df.eager == row.eager) & (df.k == row.k)
            & (df.B == row.B)]
     drafts = g.counters.map(lambda c: c["num_drafts"]).sum()
@@ -310,9 +311,9 @@ def report(run_dir: Path, rates=PUBLISHED_EAGLE31, layers: int = PRODUCTION_LAYE
         lines += [f"## {layers} layers", "", f"Not extrapolated: {e}.", ""]
     mem = memory_check(run_dir)
     if len(mem):
-        lines += ["## Weights: estimate vs vLLM", "", "`speclab.memory` from the config alone "
-                  "against each engine's `Model loading took`; largest |error| "
-                  f"{mem.error.abs().max():.1%}.", "",
+        lines += ["## Weights: estimate vs vLLM", "",
+                  ("`speclab.memory` from the config alone against each engine's `Model loading "
+                   f"took`; largest |error| {mem.error.abs().max():.1%}."), "",
                   _md(mem, ["engine", "estimate_gib", "vllm_gib", "error"]), ""]
     md = "\n".join(lines)
     out_dir.mkdir(parents=True, exist_ok=True)

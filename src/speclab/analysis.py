@@ -10,6 +10,14 @@ from speclab import metrics
 KEYS = ["kv_cache_dtype", "layout", "prompt_format"]
 
 
+def with_method(records: pd.DataFrame) -> pd.DataFrame:
+    """Records with a `method` column: None for plain (k = 0) rows, eagle3 for speculative
+    rows recorded before methods existed."""
+    m = records["method"] if "method" in records else pd.Series(None, index=records.index,
+                                                                   dtype=object)
+    return records.assign(method=m.astype(object).fillna("eagle3").where(records.k > 0, None))
+
+
 def _counts(group: pd.DataFrame, k: int) -> tuple[np.ndarray, np.ndarray]:
     app = np.array([list(x)[:k] + [0] * (k - len(x)) for x in group.accepted_per_pos], dtype=float)
     return group.drafts.to_numpy(dtype=float), app.reshape(len(group), k)
@@ -39,7 +47,7 @@ def acceptance(records: pd.DataFrame, by: list[str] | None = None, *,
     if records.empty:
         return pd.DataFrame(columns=["point_id", "k", *KEYS, "mean_acceptance_length"])
     engine = _untrusted(points)
-    spec = records[records.k > 0]
+    spec = with_method(records[records.k > 0])
     rows = []
     for key, g in spec.groupby(["point_id", *(by or [])], sort=False):
         k = int(g.k.iloc[0])
@@ -53,12 +61,14 @@ def acceptance(records: pd.DataFrame, by: list[str] | None = None, *,
                   "conditional": (nan, nan)}
         else:
             drafts, app = _counts(g, k)
-            c = metrics.SpecCounters(int(drafts.sum()), int(k * drafts.sum()), int(app.sum()),
+            # ngram drafts may be shorter than k: its rows count their draft tokens
+            tokens = g.draft_tokens.sum() if "draft_tokens" in g else k * drafts.sum()
+            c = metrics.SpecCounters(int(drafts.sum()), int(tokens), int(app.sum()),
                                      tuple(int(x) for x in app.sum(axis=0)))
             ci = metrics.bootstrap_ci(drafts, app, n_boot=n_boot, seed=seed)
         row = dict(zip(["point_id", *(by or [])], key if isinstance(key, tuple) else (key,)))
-        row.update({c_: g[c_].iloc[0] for c_ in ["k", "draft_kv_cache_dtype", "repeat", *KEYS,
-                                                  "concurrency"] if c_ in g})
+        row.update({c_: g[c_].iloc[0] for c_ in ["k", "method", "draft_kv_cache_dtype", "repeat",
+                                                  *KEYS, "concurrency"] if c_ in g})
         row.update(
             n_requests=len(g), num_drafts=c.num_drafts, acceptance_rate=c.acceptance_rate,
             mean_acceptance_length=c.mean_acceptance_length,
@@ -109,8 +119,9 @@ def speed(points: pd.DataFrame) -> pd.DataFrame:
     if ok.empty:
         return pd.DataFrame(columns=["point_id", "k", *KEYS, "throughput_tok_s",
                                      "baseline_tok_s", "speedup"])
-    for col in KEYS + ["k", "repeat", "draft_kv_cache_dtype"]:
+    for col in KEYS + ["k", "repeat", "draft_kv_cache_dtype", "method"]:
         ok[col] = ok[f"point.{col}"] if f"point.{col}" in ok else None
+    ok = with_method(ok)
     ok["layout"] = ok.apply(_layout_label, axis=1)
     ok["mean_acceptance_length"] = ok.get("counters.mean_acceptance_length", np.nan)
     # server mode: requests in flight; offline: the point's batch cap (a batch-1 arm); else NA
@@ -137,7 +148,7 @@ def speed(points: pd.DataFrame) -> pd.DataFrame:
     (ok["baseline_tok_s"], ok["speedup"], ok["speedup_lo"], ok["speedup_hi"],
      ok["n_rounds"]) = zip(*rows) if rows else ([],) * 5
     ok["concurrency"] = conc.astype("Int64")
-    cols = ["point_id", "k", "draft_kv_cache_dtype", "repeat", "concurrency", *KEYS,
+    cols = ["point_id", "k", "method", "draft_kv_cache_dtype", "repeat", "concurrency", *KEYS,
             "throughput_tok_s", "tput_lo", "tput_hi", "baseline_tok_s", "speedup",
             "speedup_lo", "speedup_hi", "n_rounds", "mean_acceptance_length",
             "timings.engine_init_s",

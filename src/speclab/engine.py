@@ -11,10 +11,11 @@ import platform
 import sys
 import time
 from contextlib import contextmanager
+from functools import cache
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any, Iterator
 
-from speclab import convention
+from speclab import convention, methods
 
 DRAFT_KV_ENV = "EAGLE3_DRAFT_KV_CACHE_DTYPE"
 # Set by tools/gpu/lab.py when several jobs share one GPU (--slots): a cap on each engine's
@@ -43,6 +44,18 @@ def gpu_share(args: dict[str, Any], env=None) -> dict[str, Any]:
     return out
 
 
+@cache
+def request_metrics() -> bool:
+    """Whether the installed vLLM reports spec-decode counters per request
+    (`per_request_spec_decode_metrics`, vllm 0.32; not in 0.26)."""
+    from speclab import profiles
+
+    try:
+        return "per_request_spec_decode_metrics" in profiles.engine_arg_names()
+    except (ModuleNotFoundError, OSError, SyntaxError, StopIteration, AttributeError):
+        return False
+
+
 def native_draft_kv_dtype() -> bool:
     """Whether the installed vLLM has `speculative_config.kv_cache_dtype` (>= 0.26); older
     ones take the draft KV dtype from the overlay's env var."""
@@ -55,11 +68,12 @@ def native_draft_kv_dtype() -> bool:
 
 def engine_args(profile, point, target: str, draft: str | None,
                 native_draft_kv: bool = True) -> tuple[dict[str, Any], dict[str, str]]:
-    """`LLM(**args)` keyword arguments and extra environment for one point.
+    """`LLM(**args)` keyword arguments and extra environment for one point
+    (`methods.speculative_config` for speculative points).
 
-    The draft's KV dtype always goes into the overlay's env var (read by vLLM < 0.26 with the
-    overlay; harmless elsewhere) and, where vLLM has the field (native_draft_kv), into
-    speculative_config.kv_cache_dtype too."""
+    An eagle3 draft's KV dtype always goes into the overlay's env var (read by vLLM < 0.26
+    with the overlay; harmless elsewhere) and, where vLLM has the field (native_draft_kv),
+    into speculative_config.kv_cache_dtype too."""
     lay = point.layout
     if lay.dp > 1:
         raise ValueError(f"{point.id}: data parallel (dp={lay.dp}) needs server mode; "
@@ -75,6 +89,8 @@ def engine_args(profile, point, target: str, draft: str | None,
     }
     if lay.ep:
         args["enable_expert_parallel"] = True
+    if profile.target_revision:
+        args["revision"] = profile.target_revision
     if profile.tokenizer:
         args["tokenizer"] = profile.tokenizer
     if profile.tokenizer_mode:
@@ -83,10 +99,13 @@ def engine_args(profile, point, target: str, draft: str | None,
         args["skip_tokenizer_init"] = True
     env = {**profile.env, **point.env}
     if point.k > 0:
-        spec = {"method": profile.method, "model": draft, "num_speculative_tokens": point.k}
-        if native_draft_kv:
-            spec["kv_cache_dtype"] = point.draft_kv_cache_dtype
-        args["speculative_config"] = spec
+        args["speculative_config"] = methods.speculative_config(profile, point, draft,
+                                                                native_draft_kv)
+        if methods.of(point) in methods.SKIPS_STEPS and request_metrics():
+            # ngram drafts only where the lookup matches: which steps carried a draft is
+            # known only to the scheduler, which reports it per request
+            args["per_request_spec_decode_metrics"] = "summary"
+    if methods.uses_draft(methods.of(point)):
         env[DRAFT_KV_ENV] = point.draft_kv_cache_dtype
         env.update(convention.point_env(profile, point))
     return gpu_share(args), env
@@ -169,6 +188,8 @@ def generate_stepwise(llm, prompts: list[list[int]], sampling_params,
                 tr["step_times"].append(now - tr["t_submit"])
                 tr["n"] = n
             if o.finished:
+                if getattr(comp, "spec_decode_metrics", None) is not None:
+                    tr["spec_decode"] = comp.spec_decode_metrics.to_dict()
                 tr["output_token_ids"] = list(comp.token_ids)
                 tr["finish_reason"] = comp.finish_reason
                 tr["logprobs"] = _top_logprobs(comp.logprobs)

@@ -45,9 +45,10 @@ def prompt_set(profile) -> dict[str, Any]:
             "seed": profile.prompts.seed, "format": None}
 
 
-def model_identity(ref: str | None) -> str | None:
-    """A checkpoint's identity: a fixture's cache key, a hub snapshot's revision, or a local
-    folder's config hash and weight file sizes (weights are not hashed: too slow)."""
+def model_identity(ref: str | None, revision: str | None = None) -> str | None:
+    """A checkpoint's identity: a fixture's cache key, the revision of the hub snapshot that
+    `revision` (default main) resolves to, or a local folder's config hash and weight file
+    sizes (weights are not hashed: too slow)."""
     if not ref:
         return None
     if ref.startswith("fixture:"):
@@ -64,12 +65,12 @@ def model_identity(ref: str | None) -> str | None:
     try:
         from huggingface_hub import try_to_load_from_cache
 
-        hit = try_to_load_from_cache(ref, "config.json")
+        hit = try_to_load_from_cache(ref, "config.json", revision=revision)
         if isinstance(hit, str):
             return f"{ref}@{Path(hit).parent.name}"  # snapshots/<revision>/config.json
     except ImportError:
         pass
-    return ref
+    return f"{ref}@{revision}" if revision else ref
 
 
 def engine_env(env: dict[str, str]) -> dict[str, str]:
@@ -123,10 +124,11 @@ def of_point(profile, point, *, mode: str = "offline", placement: dict | None = 
     """{"digest", "parts"} of one point as this machine would measure it now; `placement`
     stands for this machine's hardware where a point runs elsewhere (Ray: the resource it
     asks for, `executors.placement`)."""
-    from speclab import engine
+    from speclab import engine, methods
 
-    target, draft = model_identity(profile.target), model_identity(
-        profile.draft if point.k > 0 else None)
+    target = model_identity(profile.target, profile.target_revision)
+    draft = model_identity(profile.draft if methods.uses_draft(methods.of(point)) else None,
+                           profile.draft_revision)
     args, env = engine.engine_args(profile, point, target, draft, native_draft_kv=True)
     parts = {"method": METHOD, "mode": mode, "engine_args": args, "env": engine_env(env),
              "sampling": sampling(profile, point),

@@ -23,7 +23,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Iterator
 
-from speclab import fingerprint, store
+from speclab import fingerprint, methods, store
 from speclab.profiles import Point, Profile, resolve_model
 
 WORKER = "speclab.worker"  # the module a point's process runs (`python -m WORKER SPEC`)
@@ -103,7 +103,8 @@ def run_module(module: str, spec: dict, spec_path: Path, log_path: Path,
 def prepare_models(profile: Profile, points: list[Point]) -> None:
     """Build the profile's fixtures here, once, before any worker starts (a build can take
     minutes and must not count against a point's timeout or repeat in every worker)."""
-    refs = [profile.target] + ([profile.draft] if any(p.k > 0 for p in points) else [])
+    refs = [profile.target] + ([profile.draft] if any(
+        methods.uses_draft(methods.of(p)) for p in points) else [])
     for ref in refs:
         if ref and ref.startswith("fixture:"):
             resolve_model(ref)

@@ -240,6 +240,17 @@ def request_counters(step_tokens: Sequence[int], k: int, *, finished: bool = Fal
     return SpecCounters(len(emitted), k * len(emitted), sum(per_pos), tuple(per_pos))
 
 
+def engine_request_counters(spec: dict, k: int) -> SpecCounters:
+    """Counters of one request as vLLM's scheduler counted them (its per-request
+    `spec_decode_metrics`, vLLM >= 0.32 with per_request_spec_decode_metrics): only verify
+    steps that carried a draft, the final one included. `acceptance_histogram[j]` counts
+    steps that accepted j drafts, so position i was accepted in the steps with j > i."""
+    hist = list(spec["acceptance_histogram"])
+    per_pos = tuple(sum(hist[i + 1:]) for i in range(k))
+    return SpecCounters(int(spec["num_spec_steps"]), int(spec["num_draft_tokens"]),
+                        int(spec["num_accepted_draft_tokens"]), per_pos)
+
+
 def dropped_rounds(step_tokens: Sequence[int], finished: bool) -> int:
     """1 if `request_counters(..., finished=finished)` leaves out a final verify round."""
     return int(finished and sum(n > 0 for n in step_tokens) >= 2)

@@ -21,7 +21,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from speclab import convention, prompts
+from speclab import convention, methods, prompts
 from speclab.paths import RESOURCES as REPO  # the checkout, or the wheel's copies
 
 PROFILE_DIR = Path(os.environ.get("SPECLAB_PROFILES", REPO / "profiles"))
@@ -56,6 +56,8 @@ class Prompts(BaseModel):
 
 class Grid(BaseModel):
     model_config = ConfigDict(extra="forbid")
+    # speculative methods (speclab.methods); None: the profile's `method` for every point
+    method: list[methods.Method] | None = None
     num_speculative_tokens: list[int] = [0, 1, 2, 3]
     kv_cache_dtype: list[str] = ["auto"]
     draft_kv_cache_dtype: list[str] = ["auto"]
@@ -63,6 +65,13 @@ class Grid(BaseModel):
     prompt_format: list[Literal["raw", "chat"]] = ["raw"]
     # draft aux-layer id convention per point (speclab.convention); None: resolved per draft
     aux_layer_convention: list[convention.Convention] | None = None
+
+    @field_validator("method")
+    @classmethod
+    def _methods(cls, v: list[str] | None) -> list[str] | None:
+        if v is not None and (not v or len(set(v)) != len(v)):
+            raise ValueError(f"method: give distinct values ({', '.join(methods.METHODS)})")
+        return v
 
     @field_validator("aux_layer_convention")
     @classmethod
@@ -132,6 +141,21 @@ class Parity(BaseModel):
     controls: list[Control] = []
 
 
+class Ngram(BaseModel):
+    """Prompt lookup (vLLM's ngram method): the longest suffix of prompt + output of
+    prompt_lookup_min..prompt_lookup_max tokens that occurred earlier proposes what followed."""
+
+    model_config = ConfigDict(extra="forbid")
+    prompt_lookup_min: int = Field(2, ge=1)
+    prompt_lookup_max: int = Field(5, ge=1)
+
+    @model_validator(mode="after")
+    def _window(self) -> "Ngram":
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError("prompt_lookup_min must be <= prompt_lookup_max")
+        return self
+
+
 class RayOptions(BaseModel):
     """How the Ray executor places points (README "On a Ray cluster")."""
 
@@ -152,7 +176,13 @@ class Profile(BaseModel):
     backend: Literal["cpu", "cuda"]
     target: str
     draft: str | None = None
-    method: Literal["eagle3"] = "eagle3"
+    # the speculative method of every point (grid.method sweeps several; speclab.methods);
+    # None: eagle3
+    method: methods.Method | None = None
+    ngram: Ngram = Ngram()
+    # Hugging Face revisions (branch, tag or commit) to load; None: what the cache holds
+    target_revision: str | None = None
+    draft_revision: str | None = None
     tokenizer: str | None = None
     tokenizer_mode: str | None = None
     skip_tokenizer_init: bool = False
@@ -191,8 +221,14 @@ class Profile(BaseModel):
 
     @model_validator(mode="after")
     def _consistent(self) -> "Profile":
-        if any(k > 0 for k in self.grid.num_speculative_tokens) and not self.draft:
-            raise ValueError("grid has k > 0 but no draft model is set")
+        if any(k > 0 for k in self.grid.num_speculative_tokens) and not self.draft and any(
+                methods.uses_draft(m) for m in methods.profile_methods(self)):
+            raise ValueError("grid has k > 0 with method eagle3 but no draft model is set")
+        if self.grid.method is not None and self.method is not None:
+            raise ValueError("method is set both at the top level and in grid: keep one "
+                             "(grid sweeps it, the top level fixes it for every point)")
+        if problem := methods.static_problem(self):
+            raise ValueError(problem)
         if any(lay.dp > 1 for lay in self.grid.layout):
             raise ValueError("grid.layout: dp > 1 needs server mode (offline runs take tp and ep)")
         for key in ("model", "speculative_config", "tensor_parallel_size", "kv_cache_dtype",
@@ -213,6 +249,8 @@ class Point(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
     k: int
+    # None for the plain (k = 0) baseline, which every method shares (methods.of)
+    method: methods.Method | None = "eagle3"
     kv_cache_dtype: str = "auto"
     draft_kv_cache_dtype: str | None = None
     layout: Layout = Layout()
@@ -225,8 +263,10 @@ class Point(BaseModel):
 
     @property
     def id(self) -> str:
-        parts = [f"k{self.k}", f"kv-{self.kv_cache_dtype}"]
-        if self.k > 0:
+        method = methods.of(self)
+        parts = [f"k{self.k}"] + ([method] if method not in (None, "eagle3") else [])
+        parts.append(f"kv-{self.kv_cache_dtype}")
+        if methods.uses_draft(method):  # eagle3 ids keep their form from before methods
             parts.append(f"dkv-{self.draft_kv_cache_dtype}")
         if self.aux_layer_convention:
             parts.append(f"aux-{self.aux_layer_convention}")
@@ -248,22 +288,26 @@ class Point(BaseModel):
 
 
 def expand(profile: Profile) -> list[Point]:
-    """The profile's grid as points (k=0 ignores the draft KV dtype and aux-layer
-    convention), repeats included."""
+    """The profile's grid as points, repeats included: k = 0 is one plain point shared by
+    every method (no method, draft KV dtype or aux-layer convention); methods without a
+    draft ignore the draft KV dtype and convention."""
     g = profile.grid
     conventions = g.aux_layer_convention or [profile.aux_layer_convention]
     seen: dict[str, Point] = {}
     for lay in g.layout:
         for fmt in g.prompt_format:
             for kv in g.kv_cache_dtype:
-                for k in g.num_speculative_tokens:
-                    for dkv, conv in itertools.product(
-                            *((g.draft_kv_cache_dtype, conventions) if k > 0 else ([None],) * 2)):
-                        for r in range(profile.repeats):
-                            p = Point(k=k, kv_cache_dtype=kv, draft_kv_cache_dtype=dkv,
-                                      aux_layer_convention=conv, layout=lay, prompt_format=fmt,
-                                      repeat=r)
-                            seen.setdefault(p.id, p)
+                for method in methods.profile_methods(profile):
+                    for k in g.num_speculative_tokens:
+                        drafted = k > 0 and methods.uses_draft(method)
+                        for dkv, conv in itertools.product(
+                                *((g.draft_kv_cache_dtype, conventions) if drafted
+                                  else ([None],) * 2)):
+                            for r in range(profile.repeats):
+                                p = Point(k=k, method=method if k else None, kv_cache_dtype=kv,
+                                          draft_kv_cache_dtype=dkv, aux_layer_convention=conv,
+                                          layout=lay, prompt_format=fmt, repeat=r)
+                                seen.setdefault(p.id, p)
     return list(seen.values())
 
 

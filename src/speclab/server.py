@@ -28,7 +28,8 @@ from typing import Iterator
 import httpx
 import pandas as pd
 
-from speclab import convention, engine, fingerprint, launch, metrics, prompts, runlock, store
+from speclab import (convention, engine, fingerprint, launch, methods, metrics, prompts,
+                     revisions, runlock, store)
 from speclab.profiles import Point, Profile, prompt_file, resolve_model
 
 SERVED_NAME = "speclab"
@@ -212,7 +213,8 @@ def _serve_levels(profile: Profile, point: Point, run_dir: Path, todo: list[int]
     plist = prompts.load(prompt_file(profile), limit=profile.prompts.limit,
                          categories=profile.prompts.categories, seed=profile.prompts.seed)
     target = resolve_model(profile.target)
-    draft = resolve_model(profile.draft) if point.k > 0 else None
+    draft = resolve_model(profile.draft) if methods.uses_draft(methods.of(point)) \
+        else None
     args, env = engine.engine_args(profile, point, target, draft,
                                    native_draft_kv=engine.native_draft_kv_dtype())
     env = {**env, "VLLM_LOG_STATS_INTERVAL": env.get("VLLM_LOG_STATS_INTERVAL", "1")}
@@ -225,7 +227,8 @@ def _serve_levels(profile: Profile, point: Point, run_dir: Path, todo: list[int]
     base = {"status": "error", "mode": "server", "point": point.model_dump(mode="json"),
             "profile": profile.name, "started_at": started, "engine_args": args, "env": env,
             "command": " ".join(serve_command(args, 0)), "fingerprint": fp,
-            "sampling": fp["parts"]["sampling"], "aux_convention": aux}
+            "sampling": fp["parts"]["sampling"], "aux_convention": aux,
+            "method": methods.settings(profile, point), "models": revisions.record(profile, point)}
     left = list(todo)
     try:
         with running_server(args, env, log_path, startup_timeout=profile.timeout_s) as url:
@@ -257,7 +260,8 @@ def _measure_level(url: str, profile: Profile, point: Point, run_dir: Path, plis
     gen_s = time.perf_counter() - g0
     total = scrape(url)
     delta = total - before
-    rows = [{"point_id": pid, "k": point.k, "kv_cache_dtype": point.kv_cache_dtype,
+    rows = [{"point_id": pid, "k": point.k, "method": methods.of(point),
+             "kv_cache_dtype": point.kv_cache_dtype,
              "draft_kv_cache_dtype": point.draft_kv_cache_dtype,
              "layout": point.layout.label, "prompt_format": point.prompt_format,
              "repeat": point.repeat, "concurrency": c, "prompt_id": p.id,

@@ -58,6 +58,8 @@ class PointResult(BaseModel):
     wall_s: float | None = None
     command: str | None = None
     sampling: dict | None = None
+    method: dict | None = None                   # methods.settings: the method and its settings
+    models: dict | None = None                   # revisions.record: revisions asked and loaded
     fingerprint: dict | None = None              # {"digest", "parts"} (speclab.fingerprint)
     engine_args: dict | None = None
     env: dict | None = None

@@ -19,7 +19,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from speclab import convention, engine, fingerprint, launch, metrics, prompts, store
+from speclab import (convention, engine, fingerprint, launch, methods, metrics, prompts,
+                     revisions, store)
 from speclab.profiles import Point, Profile, prompt_file, resolve_model
 
 
@@ -28,13 +29,15 @@ def records_frame(profile: Profile, point: Point, plist, prompt_ids, traces) -> 
     and (plain runs) the top-1/top-2 logprob margin at each position (from an untimed pass)."""
     rows = []
     for p, ids, tr in zip(plist, prompt_ids, traces):
-        c = metrics.request_counters(tr["step_tokens"], point.k,
-                                     finished=tr.get("finish_reason") is not None)
+        c = metrics.engine_request_counters(tr["spec_decode"], point.k) if point.k and \
+            tr.get("spec_decode") else metrics.request_counters(
+                tr["step_tokens"], point.k, finished=tr.get("finish_reason") is not None)
         out = tr.get("output_token_ids", [])
         times = tr["step_times"]
         lps = tr.get("logprobs") or []
         rows.append({
-            "point_id": point.id, "k": point.k, "kv_cache_dtype": point.kv_cache_dtype,
+            "point_id": point.id, "k": point.k, "method": methods.of(point),
+            "kv_cache_dtype": point.kv_cache_dtype,
             "draft_kv_cache_dtype": point.draft_kv_cache_dtype, "layout": point.layout.label,
             "prompt_format": point.prompt_format, "repeat": point.repeat,
             "concurrency": point.concurrency or len(plist),
@@ -45,6 +48,8 @@ def records_frame(profile: Profile, point: Point, plist, prompt_ids, traces) -> 
             "tpot_s": (times[-1] - times[0]) / (len(out) - 1) if len(out) > 1 else None,
             "drafts": c.num_drafts, "draft_tokens": c.num_draft_tokens,
             "accepted": c.num_accepted_tokens, "accepted_per_pos": list(c.accepted_per_pos),
+            # "vllm": the scheduler's own per-request counts; "steps": from the step trace
+            "counters_from": "vllm" if tr.get("spec_decode") else "steps",
             # margins come from a second pass; where it diverged from this output (None:
             # never), later margins belong to another sequence
             "logprob_pass_divergence": tr.get("logprob_pass_divergence"),
@@ -78,13 +83,15 @@ def main(spec_path: str) -> int:
     meta = {"point_id": point.id, "status": "error", "point": point.model_dump(mode="json"),
             "profile": profile.name, "started_at": started, "command": " ".join(sys.argv),
             "sampling": fingerprint.sampling(profile, point),
+            "method": methods.settings(profile, point), "models": revisions.record(profile, point),
             "fingerprint": spec.get("fingerprint")}
     try:
         h0 = time.perf_counter()
         plist = prompts.load(prompt_file(profile), limit=profile.prompts.limit,
                              categories=profile.prompts.categories, seed=profile.prompts.seed)
         target = resolve_model(profile.target)
-        draft = resolve_model(profile.draft) if point.k > 0 else None
+        draft = resolve_model(profile.draft) if methods.uses_draft(methods.of(point)) \
+        else None
         t["harness_s"] = time.perf_counter() - h0
         i0 = time.perf_counter()
         import vllm
@@ -151,7 +158,7 @@ def main(spec_path: str) -> int:
             status="ok", counters=delta.to_dict(), counters_from_steps=from_steps.to_dict(),
             attribution=metrics.attribution(delta, from_steps, sum(
                 metrics.dropped_rounds(tr["step_tokens"], tr.get("finish_reason") is not None)
-                for tr in traces) if point.k else 0),
+                for tr in traces if not tr.get("spec_decode")) if point.k else 0),
             n_requests=len(records), output_tokens=n_out,
             throughput_tok_s=n_out / t["generate_s"], passes=[{**passed, "round": 1}],
             versions=engine.versions(), host=socket.gethostname(),

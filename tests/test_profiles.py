@@ -81,8 +81,9 @@ def test_environment_checks(tmp_path):
 def test_expand_dedupes_draft_dtype_for_plain_points():
     prof = profiles.load("v4flash-4xb200")
     ids = [p.id for p in sweep.expand(prof)]
-    assert len(ids) == len(set(ids)) == 1 + 5 * 2
+    assert len(ids) == len(set(ids)) == 1 + 5 * 2 + 3  # eagle3 k1-5 x draft KV, mtp k1-3
     assert "k0_kv-fp8_tp4-ep_chat" in ids and "k3_kv-fp8_dkv-auto_tp4-ep_chat" in ids
+    assert "k3_mtp_kv-fp8_tp4-ep_chat" in ids
 
 
 def test_profile_check_prints_engine_args_without_loading_models():

@@ -9,7 +9,9 @@ Per point, per GPU (bytes; printed in GiB):
   and what each rank keeps whole (fused `wq_a`+`wkv`, compressor, indexer, router, norms,
   hyper-connections): vLLM 0.26.0 `vllm/models/deepseek_v4/attention.py` (`ReplicatedLinear`,
   `disable_tp=True`), `compressor.py`, `nvidia/model.py`.
-* draft: the same for the EAGLE-3 draft (run at the target's TP).
+* draft: the same for the EAGLE-3 draft (run at the target's TP); for DeepSeek-V4's MTP
+  (method mtp) the target's MTP layers (`mtp_weight_bytes`; none when the checkpoint's size
+  was read from its files, which hold them) and their KV; ngram has none.
 * KV: `kv_request_bytes` at `max_model_len` x `max_num_seqs` (vLLM's default max_num_seqs
   1024 / max_num_batched_tokens 16384 on GPUs of >= 70 GiB, 256 / 8192 below:
   `vllm/engine/arg_utils.py`); `kv_cache_memory_bytes` when the profile fixes it. MLA with one
@@ -73,7 +75,8 @@ PUBLISHED: dict[str, dict] = {
         "sliding_window": 128, "index_n_heads": 64, "index_head_dim": 128,
         "n_routed_experts": 256, "num_experts_per_tok": 6, "n_shared_experts": 1,
         "moe_intermediate_size": 2048, "num_hash_layers": 3, "hc_mult": 4,
-        "expert_dtype": "fp4", "tie_word_embeddings": False, "max_position_embeddings": 1048576},
+        "expert_dtype": "fp4", "tie_word_embeddings": False, "max_position_embeddings": 1048576,
+        "num_nextn_predict_layers": 1},
     # one Llama layer, 32 query / 8 KV heads of 128, intermediate 14336, draft vocab 32000, no
     # embed_tokens (as fixtures.realshape states it; ~425M parameters, the card's "about 400M")
     "ManiacLabs/DeepSeek-V4-Flash-EAGLE3.1": {
@@ -217,10 +220,16 @@ def weight_bytes(cfg: dict) -> tuple[float, float]:
 
 
 def _dsv4_weight_bytes(cfg: dict) -> tuple[float, float]:
-    from speclab.fixtures.dsv4_target import FP8_BLOCK, MXFP4_BLOCK, tensor_specs
+    from speclab.fixtures.dsv4_target import tensor_specs
+
+    return _spec_bytes(tensor_specs(cfg))
+
+
+def _spec_bytes(specs) -> tuple[float, float]:
+    from speclab.fixtures.dsv4_target import FP8_BLOCK, MXFP4_BLOCK
 
     sharded = kept = 0.0
-    for s in tensor_specs(cfg):
+    for s in specs:
         n = math.prod(s.shape)
         if s.dtype == "fp4":
             b = n / 2 + n / MXFP4_BLOCK
@@ -233,6 +242,40 @@ def _dsv4_weight_bytes(cfg: dict) -> tuple[float, float]:
         else:
             kept += b
     return sharded, kept
+
+
+def mtp_weight_bytes(cfg: dict) -> tuple[float, float]:
+    """(bytes sharded over TP, bytes every rank keeps) of a DeepSeek-V4 checkpoint's MTP
+    layers (`mtp.{i}`, vLLM 0.26 `models/deepseek_v4/nvidia/mtp.py`): each one decoder block
+    at index num_hidden_layers + i (its compress ratio from compress_ratios, else 0), e_proj
+    and h_proj (block-FP8 H x H, replicated), hc_head and norms (kept) and its own head
+    (vocab x H bfloat16, sharded); the embedding is the target's (vLLM shares it)."""
+    from speclab.fixtures.dsv4_target import TensorSpec, tensor_specs
+
+    n, L, H = cfg.get("num_nextn_predict_layers") or 0, cfg["num_hidden_layers"], cfg["hidden_size"]
+    ratios = list(cfg["compress_ratios"][:L])
+    full = {**cfg, "num_hidden_layers": L + 1,
+            "compress_ratios": ratios + [(cfg["compress_ratios"] + [0] * (L + 1))[L]]}
+    hc = cfg["hc_mult"]
+    extra = [TensorSpec("e_proj", (H, H), "fp8", ""), TensorSpec("h_proj", (H, H), "fp8", ""),
+             TensorSpec("enorm.weight", (H,), "bfloat16", ""),
+             TensorSpec("hnorm.weight", (H,), "bfloat16", ""),
+             TensorSpec("norm.weight", (H,), "bfloat16", ""),
+             TensorSpec("hc_head_fn", (hc, hc * H), "float32", ""),
+             TensorSpec("head.weight", (cfg["vocab_size"], H), "bfloat16", "")]
+    sharded, kept = _spec_bytes([s for s in tensor_specs(full)
+                                 if s.name.startswith(f"layers.{L}.")] + extra)
+    return n * sharded, n * kept
+
+
+def mtp_kv_request_bytes(cfg: dict, kv_dtype: str, tokens: int, in_flight: int = 1,
+                         tp: int = 1) -> int:
+    """KV bytes of one request in a DeepSeek-V4 target's MTP layers (each a decoder layer
+    at its compress ratio; `kv_request_bytes`)."""
+    n, L = cfg.get("num_nextn_predict_layers") or 0, cfg["num_hidden_layers"]
+    r = (list(cfg["compress_ratios"]) + [0] * (L + 1))[L]
+    return n * kv_request_bytes({**cfg, "num_hidden_layers": 1, "compress_ratios": [r]},
+                                kv_dtype, tokens, in_flight, tp)
 
 
 def per_gpu(files: Files, tp: int) -> tuple[float | None, str]:
@@ -320,18 +363,29 @@ def gpu_named(*texts: str) -> str | None:
 def estimate(profile, point, gpu: str | None, files: dict[str, Files] | None = None) -> Estimate:
     """A point's memory per GPU against gpu_memory_utilization x `GPUS[gpu]` (cuda) or the
     host's memory (cpu). files: `read_files` per ref (read here when not given)."""
+    from speclab import methods
+
+    method = methods.of(point)
+    drafted = methods.uses_draft(method)
     files = dict(files or {})
-    for ref in filter(None, (profile.target, profile.draft if point.k else None)):
+    for ref in filter(None, (profile.target, profile.draft if drafted else None)):
         files.setdefault(ref, read_files(ref))
     eng = {**profile.engine, **point.engine}
     tp, notes = point.layout.tp, []
     tfiles = files[profile.target]
     weights, src = per_gpu(tfiles, tp)
     notes.append(f"target: {src}")
-    draft, dfiles = 0.0, files.get(profile.draft) if point.k else None
+    draft, dfiles = 0.0, files.get(profile.draft) if drafted else None
     if dfiles is not None:
         draft, dsrc = per_gpu(dfiles, tp)
         notes.append(f"draft: {dsrc}")
+    mtp = method == "mtp" and (tfiles.config or {}).get("model_type") == "deepseek_v4"
+    if mtp and src.startswith("parameter count"):
+        sharded, kept = mtp_weight_bytes(tfiles.config)
+        draft = sharded / tp + kept
+        notes.append("mtp: the target's MTP layers, parameter count")
+    elif mtp:
+        notes.append("mtp: the target's MTP layers are inside the checkpoint's size")
     big = profile.backend == "cpu" or (GPUS.get(gpu or "", 0) >= 70 * GiB)
     seqs = eng.get("max_num_seqs", 1024 if big else 256)
     length = eng.get("max_model_len") or (tfiles.config or {}).get("max_position_embeddings", 0)
@@ -341,6 +395,9 @@ def estimate(profile, point, gpu: str | None, files: dict[str, Files] | None = N
         if dfiles is not None:
             one += kv_request_bytes(dfiles.config, point.draft_kv_cache_dtype or "auto", length,
                                     tp=tp)
+        if mtp:
+            one += mtp_kv_request_bytes(tfiles.config, point.kv_cache_dtype, length,
+                                        1 + point.k, tp)
     kv = None if one is None else seqs * one
     util = eng.get("gpu_memory_utilization", 0.9)
     if "kv_cache_memory_bytes" in eng:  # vLLM then reserves exactly this and ignores util

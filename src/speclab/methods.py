@@ -105,8 +105,6 @@ def vllm_serves(method: str, model_type: str | None, root: Path | None = None) -
     a target of `model_type`, or None when it can. Read from its source, nothing imported:
     the method must be in SpeculativeMethod; mtp on deepseek_v4 needs DeepSeekV4MTPModel."""
     root = root or _vllm_root()
-    if root is None:
-        return "vLLM is not installed"
     try:
         spec_src = (root / "config" / "speculative.py").read_text()
         registry = (root / "model_executor" / "models" / "registry.py").read_text()
@@ -120,16 +118,18 @@ def vllm_serves(method: str, model_type: str | None, root: Path | None = None) -
     return None
 
 
-def env_problems(profile, target_config: dict | None, vllm_version: str | None) -> list[str]:
-    """What stops the profile's methods here: the installed vLLM (when there is one) must
-    serve each method; mtp needs a target whose config has MTP layers
-    (num_nextn_predict_layers >= 1), when that config is on this machine."""
-    out = []
+def env_problems(profile) -> list[str]:
+    """What stops the profile's methods here: the installed vLLM (when there is one; a
+    missing one is check_env's) must serve each method; mtp needs a target whose config has
+    MTP layers (num_nextn_predict_layers >= 1), when that config is on this machine."""
+    from speclab import convention
+
+    target_config = convention.local_config(profile.target)
     model_type = (target_config or {}).get("model_type")
+    out = []
     for m in profile_methods(profile):
-        if vllm_version is not None and (why := vllm_serves(m, model_type)):
-            out.append(f"method {m}: {why} ({vllm_version}; read in vLLM "
-                       f"{', '.join(READ_IN[m])})")
+        if _vllm_root() is not None and (why := vllm_serves(m, model_type)):
+            out.append(f"method {m}: {why} (read in vLLM {', '.join(READ_IN[m])})")
         if m == "mtp" and target_config is not None and not target_config.get(
                 "num_nextn_predict_layers"):
             out.append(f"method mtp: the target {profile.target} has no MTP layers "

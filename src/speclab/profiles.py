@@ -59,6 +59,8 @@ class Grid(BaseModel):
     # speculative methods (speclab.methods); None: the profile's `method` for every point
     method: list[methods.Method] | None = None
     num_speculative_tokens: list[int] = [0, 1, 2, 3]
+    # a method's own k values where they differ from num_speculative_tokens ({mtp: [1, 2, 3]})
+    k_by_method: dict[methods.Method, list[int]] = {}
     kv_cache_dtype: list[str] = ["auto"]
     draft_kv_cache_dtype: list[str] = ["auto"]
     layout: list[Layout] = [Layout()]
@@ -94,6 +96,15 @@ class Grid(BaseModel):
         if any(k < 0 for k in v):
             raise ValueError("num_speculative_tokens: give k >= 0 values (0 = no-speculation baseline)")
         return sorted(set(v))
+
+    @field_validator("k_by_method")
+    @classmethod
+    def _k_by_method(cls, v: dict[str, list[int]]) -> dict[str, list[int]]:
+        return {m: cls._k(ks) for m, ks in v.items()}
+
+    def k_values(self, method: str) -> list[int]:
+        """The k values the grid runs for `method`."""
+        return self.k_by_method.get(method, self.num_speculative_tokens)
 
 
 class Control(BaseModel):
@@ -221,9 +232,12 @@ class Profile(BaseModel):
 
     @model_validator(mode="after")
     def _consistent(self) -> "Profile":
-        if any(k > 0 for k in self.grid.num_speculative_tokens) and not self.draft and any(
-                methods.uses_draft(m) for m in methods.profile_methods(self)):
+        if not self.draft and any(methods.uses_draft(m) and any(self.grid.k_values(m))
+                                  for m in methods.profile_methods(self)):
             raise ValueError("grid has k > 0 with method eagle3 but no draft model is set")
+        if extra := set(self.grid.k_by_method) - set(methods.profile_methods(self)):
+            raise ValueError(f"grid.k_by_method: {', '.join(sorted(extra))} is not among the "
+                             f"methods ({', '.join(methods.profile_methods(self))})")
         if self.grid.method is not None and self.method is not None:
             raise ValueError("method is set both at the top level and in grid: keep one "
                              "(grid sweeps it, the top level fixes it for every point)")
@@ -298,7 +312,7 @@ def expand(profile: Profile) -> list[Point]:
         for fmt in g.prompt_format:
             for kv in g.kv_cache_dtype:
                 for method in methods.profile_methods(profile):
-                    for k in g.num_speculative_tokens:
+                    for k in g.k_values(method):
                         drafted = k > 0 and methods.uses_draft(method)
                         for dkv, conv in itertools.product(
                                 *((g.draft_kv_cache_dtype, conventions) if drafted

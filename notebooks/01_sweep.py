@@ -15,8 +15,9 @@
 
 # %% [markdown]
 # # 01 · Sweep: acceptance length and throughput vs `num_speculative_tokens`
-# Runs the profile's grid (k × target KV dtype × draft KV dtype × layout × prompt format), one
-# engine per point, resuming where an earlier run stopped. k = 0 is the plain baseline.
+# Runs the profile's grid (method × k × target KV dtype × draft KV dtype × layout × prompt
+# format), one engine per point, resuming where an earlier run stopped. k = 0 is the plain
+# baseline, shared by every method (eagle3, mtp, ngram).
 # Acceptance uses vLLM's definitions: AL = 1 + accepted / drafts (bonus token included).
 
 # %% tags=["parameters"]
@@ -71,6 +72,24 @@ display(summary.display_table(table[table.point_id.isin(ids)]))
 print(summary.AL_METHOD)
 
 # %% [markdown]
+# ### Methods compared
+# Per method and k (and concurrency level in server mode): AL and per-position acceptance with
+# 95% bootstrap CIs over requests, speedup over the shared plain point with its 95% interval
+# over timing rounds; then the best method and k per concurrency level (by speedup when the
+# run's speeds are results, else by AL).
+
+# %%
+cmp = analysis.methods_table(acc, spd)
+fig = plots.methods_comparison(cmp, title=f"{prof.name}: methods compared")
+plots.save(fig, figures_dir, "methods" + ("_server" if mode == "server" else ""), caption)
+display(summary.readable(cmp.drop(columns=["concurrency"]) if cmp.concurrency.isna().all()
+                         else cmp))
+best_by = "speedup" if summary.speed_trusted(table, prof) else "mean_acceptance_length"
+best = analysis.best_per_concurrency(cmp, by=best_by)
+print(f"best method and k per concurrency level, by {best_by}:")
+display(summary.readable(best))
+
+# %% [markdown]
 # Server-mode points of this run (from this or an earlier server-mode execution): throughput,
 # time to first token, time per output token and AL against the number of concurrent
 # requests, one line per k.
@@ -97,13 +116,15 @@ record(
     profile=prof.name,
     points=len(points),
     failed=list(failed.point_id),
-    acceptance={r.point_id: {"k": int(r.k), "al": r.mean_acceptance_length,
+    acceptance={r.point_id: {"k": int(r.k), "method": r.method, "al": r.mean_acceptance_length,
                              "per_position": r.per_position, "conditional": r.conditional,
                              "acceptance_rate": r.acceptance_rate}
                 for r in acc.itertuples()},
     counters={pid: {**m["counters"], "attribution": m.get("attribution")}
               for pid in pts.point_id[pts.status == "ok"] if (m := store.read_meta(run_dir, pid))},
     throughput={r.point_id: r.throughput_tok_s for r in spd.itertuples()},
+    methods=cmp.astype(object).where(cmp.notna(), None).to_dict("records"),
+    best={"by": best_by, "rows": best.astype(object).where(best.notna(), None).to_dict("records")},
     load_curve=curve.to_dict("records"),
     match_rate={r["arm"]: r.get("match_rate") for r in par.to_dict("records")},
 )

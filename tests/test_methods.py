@@ -208,21 +208,23 @@ def test_revision_from_config_json_and_a_pinned_target(tmp_path):
 # --------------------------------------------------------------------- the run's tables
 def fake_run(run_dir: Path, trained_against: str) -> None:
     """A run folder with a plain point, eagle3 and ngram at k = 2 (4 requests each, two
-    timing rounds): plain 100/110 tok/s, eagle3 2x, ngram 1.2x."""
+    timing rounds): plain 100/110 tok/s, eagle3 2x, ngram 1.2x; eagle3 drafts at all 2
+    decode steps (3 tokens each), ngram at 2 of 4 (6 tokens in 4 steps)."""
     from speclab.profiles import Point
 
-    for point, tok_s, app in ((Point(k=0, method=None), 100, []),
-                              (Point(k=2, draft_kv_cache_dtype="auto"), 200, [1, 1]),
-                              (Point(k=2, method="ngram"), 120, [1, 0])):
+    for point, tok_s, app, steps, drafts in (
+            (Point(k=0, method=None), 100, [], [1, 1, 1, 1, 1, 1, 1], 0),
+            (Point(k=2, draft_kv_cache_dtype="auto"), 200, [2, 2], [1, 3, 3], 2),
+            (Point(k=2, method="ngram"), 120, [2, 2], [1, 1, 3, 1, 1], 2)):
         m = methods.of(point)
         recs = pd.DataFrame([{"point_id": point.id, "k": point.k, "method": m,
                               "kv_cache_dtype": "auto", "draft_kv_cache_dtype":
                               point.draft_kv_cache_dtype, "layout": "tp1", "prompt_format": "raw",
                               "repeat": 0, "concurrency": 4, "prompt_id": str(i),
-                              "category": "c", "output_token_ids": [1, 2], "step_tokens": [1],
-                              "drafts": 10 if point.k else 0, "draft_tokens": 20 if point.k else 0,
-                              "accepted": 10 * sum(app), "accepted_per_pos":
-                              [10 * a if i % 2 else 10 for a in app]} for i in range(4)])
+                              "category": "c", "output_token_ids": [1, 2], "step_tokens": steps,
+                              "drafts": drafts, "draft_tokens": 2 * drafts,
+                              "accepted": sum(app), "accepted_per_pos": app if i % 2 else
+                              [a // 2 for a in app]} for i in range(4)])
         models = {"target": {"ref": "org/t", "revision": None, "loaded": "b" * 40}}
         if m == "eagle3":
             models["draft"] = {"ref": "org/d", "revision": None, "loaded": "c" * 40,
@@ -243,10 +245,12 @@ def test_methods_table_speedups_share_the_plain_point_and_best_is_named(tmp_path
     assert list(zip(t.method, t.k)) == [("eagle3", 2), ("ngram", 2)]
     assert t.speedup.round(6).tolist() == [2.0, 1.2]
     assert all(len(pp) == 2 for pp in t.per_position)
+    # the same AL over drafted steps; ngram gains fewer tokens per decode step
+    assert t.mean_acceptance_length.tolist() == [2.5, 2.5]
+    assert t.tokens_per_step.tolist() == [3.0, 1.5] and t.drafted_share.tolist() == [1.0, 0.5]
+    assert analysis.best_per_concurrency(t, by="tokens_per_step").method.tolist() == ["eagle3"]
     best = analysis.best_per_concurrency(t)
     assert best[["method", "k"]].values.tolist() == [["eagle3", 2]]
-    assert analysis.best_per_concurrency(t, by="mean_acceptance_length").method.tolist() == [
-        "eagle3"]
 
 
 @pytest.mark.parametrize("named, caveat", [("b" * 8, False), ("d" * 8, True)])

@@ -62,7 +62,9 @@ def test_methods_are_compared_per_k_with_cis(suite):
         assert m["al_lo"] <= m["mean_acceptance_length"] <= m["al_hi"]
         assert len(m["per_position"]) == len(m["pp_lo"]) == k
         assert m["speedup"] is not None  # against the one shared plain point
+        assert m["tps_lo"] <= m["tokens_per_step"] <= m["tps_hi"] and m["tokens_per_step"] >= 1
     assert rows["ngram", 3]["mean_acceptance_length"] > 1.0
+    assert 0 < rows["ngram", 3]["drafted_share"] <= 1  # drafts only where the lookup matches
     assert r["counters"]["k3_ngram_kv-auto_tp1_raw"]["attribution"] == "exact"
     assert [b["k"] > 0 and b["method"] in ("eagle3", "ngram") for b in r["best"]["rows"]] == [True]
 

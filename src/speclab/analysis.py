@@ -77,9 +77,23 @@ def acceptance(records: pd.DataFrame, by: list[str] | None = None, *,
             pp_hi=list(ci["per_position"][1]), conditional=c.conditional,
             cond_lo=list(ci["conditional"][0]), cond_hi=list(ci["conditional"][1]),
             source="engine" if pid in engine else "requests",
+            **_per_step(g, n_boot, seed),
         )
         rows.append(row)
     return pd.DataFrame(rows)
+
+
+def _per_step(g: pd.DataFrame, n_boot: int, seed: int) -> dict:
+    """Tokens per decode step (bonus included, steps without a draft counted: what speed
+    follows) with a bootstrap CI over requests, and the share of decode steps that carried a
+    draft (below 1 where the drafter skips steps: ngram without a lookup match)."""
+    if "step_tokens" not in g:
+        return {}
+    tokens, steps = zip(*(metrics.decode_steps(s) for s in g.step_tokens))
+    lo, hi = metrics.ratio_bootstrap_ci(tokens, steps, n_boot=n_boot, seed=seed)
+    total = sum(steps)
+    return {"tokens_per_step": sum(tokens) / total if total else np.nan, "tps_lo": lo,
+            "tps_hi": hi, "drafted_share": g.drafts.sum() / total if total else np.nan}
 
 
 def mean_ci(x) -> tuple[float, float, float]:
@@ -215,13 +229,15 @@ def load_curve(points: pd.DataFrame, records: pd.DataFrame) -> pd.DataFrame:
 
 
 def methods_table(acc: pd.DataFrame, spd: pd.DataFrame) -> pd.DataFrame:
-    """One row per (concurrency, method, k) of the run's speculative points: AL and
-    per-position (unconditional) acceptance with their bootstrap CIs, speedup over the shared
-    plain point with its t-interval over timing rounds. Points differing in other settings
+    """One row per (concurrency, method, k) of the run's speculative points: AL (vLLM's:
+    over the verify steps that carried a draft), tokens per decode step (every step: ngram
+    drafts only where its lookup matches, `drafted_share` of the steps) and per-position
+    (unconditional) acceptance with their bootstrap CIs, speedup over the shared plain point
+    with its t-interval over timing rounds. Points differing in other settings
     (KV dtypes, layout, format, repeats) are separate rows: `point_id` says which."""
     cols = ["concurrency", "method", "k", "point_id", "n_requests", "mean_acceptance_length",
-            "al_lo", "al_hi", "per_position", "pp_lo", "pp_hi", "speedup", "speedup_lo",
-            "speedup_hi", "n_rounds"]
+            "al_lo", "al_hi", "tokens_per_step", "tps_lo", "tps_hi", "drafted_share",
+            "per_position", "pp_lo", "pp_hi", "speedup", "speedup_lo", "speedup_hi", "n_rounds"]
     if acc.empty:
         return pd.DataFrame(columns=cols)
     a = with_method(acc.drop(columns=["concurrency"], errors="ignore"))
@@ -236,9 +252,10 @@ def methods_table(acc: pd.DataFrame, spd: pd.DataFrame) -> pd.DataFrame:
 
 
 def best_per_concurrency(table: pd.DataFrame, by: str = "speedup") -> pd.DataFrame:
-    """The method and k with the highest `by` (speedup, or mean_acceptance_length when the
-    speeds are not results) at each concurrency level, with its CI."""
-    lo, hi = ("speedup_lo", "speedup_hi") if by == "speedup" else ("al_lo", "al_hi")
+    """The method and k with the highest `by` (speedup; where the speeds are not results,
+    tokens_per_step or mean_acceptance_length) at each concurrency level, with its CI."""
+    lo, hi = {"speedup": ("speedup_lo", "speedup_hi"), "tokens_per_step": ("tps_lo", "tps_hi"),
+              "mean_acceptance_length": ("al_lo", "al_hi")}[by]
     rows = []
     t = table.dropna(subset=[by]) if len(table) else table
     for conc, g in t.groupby("concurrency", dropna=False, sort=True):

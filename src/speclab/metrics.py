@@ -312,6 +312,24 @@ def bootstrap_ci(
         }
 
 
+def decode_steps(step_tokens: Sequence[int]) -> tuple[int, int]:
+    """(tokens, steps) a request gained after its prefill step: every decode step counts,
+    with or without a draft (ngram drafts only where its lookup matches)."""
+    emitted = [n for n in step_tokens if n > 0][1:]
+    return sum(emitted), len(emitted)
+
+
+def ratio_bootstrap_ci(num, den, *, n_boot: int = 1000, level: float = 0.95, seed: int = 0
+                       ) -> tuple[float, float]:
+    """Percentile bootstrap over requests of sum(num) / sum(den)."""
+    num, den = np.asarray(num, dtype=float), np.asarray(den, dtype=float)
+    idx = np.random.default_rng(seed).integers(0, len(num), size=(n_boot, len(num)))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        r = num[idx].sum(axis=1) / den[idx].sum(axis=1)
+    lo, hi = np.nanpercentile(r, [(1 - level) / 2 * 100, (1 + level) / 2 * 100])
+    return float(lo), float(hi)
+
+
 # --------------------------------------------------------------------- speedup bounds
 def expected_tokens_per_step(alpha: float, k: int) -> float:
     """(1 - a^(k+1)) / (1 - a): tokens per verify step with i.i.d. acceptance a."""

@@ -138,8 +138,10 @@ def al_and_speed_vs_k(acc: pd.DataFrame, speed: pd.DataFrame, draft_cost: float,
 
 def methods_comparison(table: pd.DataFrame, title: str = "") -> plt.Figure:
     """The run's methods side by side (`analysis.methods_table`), one line per method (and
-    concurrency level): AL vs k, unconditional per-position acceptance at each method's
-    largest k, speedup over the shared plain point vs k; 95% CIs throughout."""
+    concurrency level): AL (over steps that carried a draft) and tokens per decode step (every
+    step; dotted, open markers: lower where the drafter skips steps) vs k, unconditional
+    per-position acceptance at each method's largest k, speedup over the shared plain point
+    vs k; 95% CIs throughout."""
     t = table.dropna(subset=["mean_acceptance_length"]) if len(table) else table
     if t.empty:
         return _no_results(title, "no speculative point with results")
@@ -151,9 +153,14 @@ def methods_comparison(table: pd.DataFrame, title: str = "") -> plt.Figure:
         label = f"{method} c{conc}" if many_c and pd.notna(conc) else str(method)
         style = dict(marker=MARKERS[i % len(MARKERS)], ls=LINESTYLES[i % len(LINESTYLES)],
                      capsize=3, label=label)
-        ax_al.errorbar(g.k + dx, g.mean_acceptance_length,
-                       yerr=[g.mean_acceptance_length - g.al_lo,
-                             g.al_hi - g.mean_acceptance_length], **style)
+        line = ax_al.errorbar(g.k + dx, g.mean_acceptance_length,
+                              yerr=[g.mean_acceptance_length - g.al_lo,
+                                    g.al_hi - g.mean_acceptance_length], **style)
+        if "tokens_per_step" in g and g.tokens_per_step.notna().any():
+            ax_al.errorbar(g.k + dx, g.tokens_per_step, yerr=[g.tokens_per_step - g.tps_lo,
+                                                              g.tps_hi - g.tokens_per_step],
+                           **{**style, "ls": ":", "mfc": "none", "color": line[0].get_color(),
+                              "label": f"{label}: tokens per decode step"})
         top = g.loc[g.k.idxmax()]
         pos = np.arange(1, int(top.k) + 1)
         pp, lo, hi = (np.asarray(top[c], dtype=float) for c in ("per_position", "pp_lo", "pp_hi"))
@@ -166,8 +173,8 @@ def methods_comparison(table: pd.DataFrame, title: str = "") -> plt.Figure:
     kmax = int(t.k.max())
     ax_al.plot(range(kmax + 1), [k + 1 for k in range(kmax + 1)], ls=":", c="grey",
                label="ceiling k+1")
-    ax_al.set(xlabel="num_speculative_tokens k", ylabel="mean acceptance length (tokens)",
-              title="Acceptance length per method")
+    ax_al.set(xlabel="num_speculative_tokens k", ylabel="tokens per verify step",
+              title="AL (drafted steps) and tokens per decode step (all)")
     ax_pos.set(xlabel="draft position", ylabel="unconditional acceptance A_i / D",
                ylim=(0, 1.05), title="Per-position acceptance")
     ax_sp.axhline(1, color="grey", lw=0.8, ls="--")

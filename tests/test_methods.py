@@ -262,6 +262,8 @@ def test_a_revision_mismatch_is_the_reports_first_caveat(tmp_path, named, caveat
     assert t.set_index("point_id").method.fillna("-").to_dict() == {
         "k0_kv-auto_tp1_raw": "-", "k2_kv-auto_dkv-auto_tp1_raw": "eagle3",
         "k2_ngram_kv-auto_tp1_raw": "ngram"}
+    assert t.tokens_per_step.round(6).fillna(0).tolist() == [0, 3.0, 1.5]
+    assert "tok/step" in summary.display_table(t)
     first = (summary.caveats(t) or [""])[0]
     assert first.startswith("Revision: the draft was trained against target revision "
                             "dddddddd") == caveat

@@ -92,8 +92,13 @@ def _per_step(g: pd.DataFrame, n_boot: int, seed: int) -> dict:
     tokens, steps = zip(*(metrics.decode_steps(s) for s in g.step_tokens))
     lo, hi = metrics.ratio_bootstrap_ci(tokens, steps, n_boot=n_boot, seed=seed)
     total = sum(steps)
+    # counters from the step trace leave out a finished request's last round: so do its steps
+    vllm = g.counters_from == "vllm" if "counters_from" in g else pd.Series(False, g.index)
+    counted = total - sum(metrics.dropped_rounds(s, f is not None) for s, f, v in zip(
+        g.step_tokens, g.finish_reason if "finish_reason" in g else [None] * len(g), vllm)
+        if not v)
     return {"tokens_per_step": sum(tokens) / total if total else np.nan, "tps_lo": lo,
-            "tps_hi": hi, "drafted_share": g.drafts.sum() / total if total else np.nan}
+            "tps_hi": hi, "drafted_share": g.drafts.sum() / counted if counted else np.nan}
 
 
 def mean_ci(x) -> tuple[float, float, float]:

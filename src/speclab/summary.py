@@ -26,7 +26,7 @@ AL_METHOD = (f"AL = 1 + accepted/drafts from per-request counters; 95% percentil
              f"over requests ({N_BOOT} resamples)")
 COLUMNS = ["point_id", "status", "mode", "k", "method", "kv_cache_dtype", "draft_kv_cache_dtype",
            "layout", "prompt_format", "concurrency", "repeat", "n_requests", "output_tokens",
-           "al", "al_lo", "al_hi", "al_counters", "attribution", "throughput_tok_s",
+           "al", "al_lo", "al_hi", "al_counters", "tokens_per_step", "drafted_share", "attribution", "throughput_tok_s",
            "baseline_tok_s", "speedup", "ideal_speedup", "above_ideal", "match_rate",
            "match_lo", "match_hi", "substantive", "generate_s", "warmup_s", "vllm",
            "hardware", "measured_at", "target_revision", "draft_trained_against", "error"]
@@ -52,7 +52,9 @@ def table(run_dir: str | Path) -> pd.DataFrame:
         for a in acc.itertuples(index=False):
             rows[a.point_id].update(al=a.mean_acceptance_length, al_lo=a.al_lo, al_hi=a.al_hi,
                                     al_counters="per-request" if a.source == "requests"
-                                    else "engine")
+                                    else "engine", tokens_per_step=getattr(
+                                        a, "tokens_per_step", None),
+                                    drafted_share=getattr(a, "drafted_share", None))
     spd = analysis.speed(pts)
     for s in spd.itertuples(index=False):
         rows[s.point_id].update(baseline_tok_s=s.baseline_tok_s, speedup=s.speedup)
@@ -248,6 +250,14 @@ def findings(t: pd.DataFrame, speed_ok: bool = True) -> list[str]:
             f" (95% CI {best.al_lo:.2f}–{best.al_hi:.2f}, N = {best.n_requests} requests)")
         out.append(f"Highest acceptance length: {best.al:.2f}{ci} at k = {best.k}, "
                    f"{best.method} ({best.point_id}); ceiling k+1 = {best.k + 1}.")
+        steps = spec.dropna(subset=["tokens_per_step"])
+        if spec.method.nunique() > 1 and len(steps):
+            top = steps.loc[steps.tokens_per_step.idxmax()]
+            out.append(f"Most tokens per decode step (every step, drafted or not): "
+                       f"{top.tokens_per_step:.2f} at k = {top.k}, {top.method}; per method: "
+                       + ", ".join(f"{m} {g.tokens_per_step.max():.2f} ({g.drafted_share.min():.0%}"
+                                   f"–{g.drafted_share.max():.0%} of steps drafted)"
+                                   for m, g in steps.groupby("method")) + ".")
         sp = spec.dropna(subset=["speedup"])
         trusted = sp[~sp.above_ideal.fillna(False).astype(bool)]
         if len(trusted) and speed_ok:
@@ -284,6 +294,7 @@ def display_table(t: pd.DataFrame) -> pd.DataFrame:
             "method": r.method if isinstance(r.method, str) else "–",
             "AL [95% CI]": fmt_ci(r.al, r.al_lo, r.al_hi) + (" (engine)" if r.al_counters ==
                                                               "engine" else ""),
+            "tok/step": "–" if pd.isna(r.tokens_per_step) else f"{r.tokens_per_step:.2f}",
             "N req": r.n_requests,
             "tok/s": "–" if pd.isna(r.throughput_tok_s) else f"{r.throughput_tok_s:.1f}",
             "speedup": "–" if pd.isna(r.speedup) or not r.k else f"{r.speedup:.2f}x"
@@ -294,7 +305,8 @@ def display_table(t: pd.DataFrame) -> pd.DataFrame:
                                                                r.match_hi),
             "concurrency": "–" if pd.isna(r.concurrency) else str(r.concurrency),
         })
-    df = pd.DataFrame(rows, columns=["point", "status", "k", "method", "AL [95% CI]", "N req", "tok/s",
+    df = pd.DataFrame(rows, columns=["point", "status", "k", "method", "AL [95% CI]", "tok/step",
+                                     "N req", "tok/s",
                                      "speedup", "ideal", "parity", "concurrency"])
     if (df.concurrency == "–").all():
         df = df.drop(columns="concurrency")

@@ -96,7 +96,10 @@ def static_problem(profile) -> str | None:
 
 # --------------------------------------------------------------------- installed vLLM
 def _vllm_root() -> Path | None:
-    spec = importlib.util.find_spec("vllm")
+    try:
+        spec = importlib.util.find_spec("vllm")
+    except (ModuleNotFoundError, ValueError):
+        return None
     return Path(spec.origin).parent if spec is not None and spec.origin else None
 
 

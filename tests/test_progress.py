@@ -25,7 +25,8 @@ def test_sweep_prints_a_line_per_point(tmp_path, monkeypatch, capsys):
 
     from speclab import fingerprint, launch, profiles, store, sweep
 
-    prof = profiles.load("tiny-cpu", {"grid": {"num_speculative_tokens": [0, 1, 2]},
+    prof = profiles.load("tiny-cpu", {"grid": {"method": ["eagle3"],
+                                               "num_speculative_tokens": [0, 1, 2]},
                                       "timed_passes": 1})
     points = sweep.expand(prof)
     done = store.PointResult(  # an earlier run's
@@ -48,7 +49,8 @@ def test_sweep_prints_a_line_per_point(tmp_path, monkeypatch, capsys):
 def test_timing_rounds_announce_themselves(tmp_path, monkeypatch, capsys):
     from speclab import launch, profiles, sweep
 
-    prof = profiles.load("tiny-cpu", {"grid": {"num_speculative_tokens": [0, 1]},
+    prof = profiles.load("tiny-cpu", {"grid": {"method": ["eagle3"],
+                                               "num_speculative_tokens": [0, 1]},
                                       "timed_passes": 3})
     monkeypatch.setattr(launch, "prepare_models", lambda *a: None)
     monkeypatch.setattr(launch, "run_point", lambda prof, p, run_dir, fp=None: {

@@ -19,7 +19,8 @@ import pytest
 from speclab import executor_ray, executors, profiles, store, sweep
 from speclab.profiles import Point
 
-OVER = {"prompts": {"limit": 4}, "max_tokens": 16, "grid": {"num_speculative_tokens": [0, 2]},
+OVER = {"prompts": {"limit": 4}, "max_tokens": 16,
+        "grid": {"method": ["eagle3"], "num_speculative_tokens": [0, 2]},
         "ray": {"resource": "GPU"}, "timed_passes": 2}
 RAY = str(Path(sys.executable).parent / "ray")
 

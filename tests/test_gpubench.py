@@ -66,12 +66,41 @@ def test_drive_starts_nothing_past_its_deadline(tmp_path, fake_pair):
     assert "not starting" in (state / "driver.log").read_text()
 
 
-def test_groups_pack_by_memory_and_configuration():
-    plan = G.chunked_plan()
+def test_groups_pack_by_memory_and_layer_count():
+    plan = G.timing_plan()
     groups = G.pack_groups(plan, {4: 17.0, 8: 30.3}, 130.0, 2.5)
-    assert [len(g) for g in groups] == [6, 3, 3, 2]
-    assert all(len({(e.layers, e.eager) for e in g}) == 1 for g in groups)
+    assert [[e.name for e in g] for g in groups] == [
+        ["L4-k0-graphs", *(f"L4-k{k}-graphs-kvg1" for k in range(1, 6))],
+        ["L8-k0-graphs", "L8-k1-graphs-kvg1", "L8-k3-graphs-kvg1"],
+        ["L4-k0-eager", "L4-k3-eager-kvg1", "L4-k3-graphs", "L4-k3-eager"]]
     assert G.verify_batches((1, 4), (1, 3)) == (2, 8, 16)
+    # the plain engines time every verify step of k = 1..5 at B = 1, 4, 16
+    assert set(plan[0].extra_batches) | set(plan[0].batches) >= {
+        b * (k + 1) for b in (1, 4, 16) for k in range(6)}
+
+
+def test_prompt_lengths_prefill_in_one_warmed_step():
+    for B in (1, 2, 3, 4, 5, 6, 8, 12, 16, 20, 24, 32, 48, 64, 80, 96):
+        n = G.prompt_lengths(B)
+        total = sum(n)
+        assert len(n) == B and max(n) - min(n) <= 1 and max(n) <= G.PROMPT_LEN
+        assert total & (total - 1) == 0 and total <= G.MAX_BATCHED  # a power of two
+        assert 2 * total > min(B * G.PROMPT_LEN, G.MAX_BATCHED)  # the largest such
+    assert G.prompt_lengths(3) == [171, 171, 170]
+    assert G.prompt_lengths(16) == [256] * 16
+    with pytest.raises(ValueError, match="does not fit"):
+        G.prompt_lengths(8192)
+
+
+def test_batch_prompts_keep_the_oracle_in_the_draft_vocabulary():
+    from speclab.fixtures import realshape
+
+    for B in (3, 96):
+        prompts = G.batch_prompts(B, seed=7, k=5)
+        assert [len(p) for p in prompts] == G.prompt_lengths(B)
+        full = realshape.prompt_ids(B, max(map(len, prompts)), seed=7,
+                                    max_tokens=G.MAX_TOKENS, k=5)
+        assert [p[-1] for p in prompts] == [f[-1] for f in full]
 
 
 def test_engine_args_capture_every_verify_step():

@@ -1,7 +1,7 @@
 """Step costs of the real-shape pair on a GPU: resident engines, rounds interleaved over k and
 batch size, the drafter's share measured with CUDA events.
 
-    python -m speclab.gpubench drive --state DIR --deadline EPOCH [--plan default]
+    python -m speclab.gpubench drive --state DIR --deadline EPOCH [--plan timing]
 
 A plan is a list of engines (target layers, k, eager or CUDA graphs, batch sizes). The driver
 builds the fixtures, packs the engines into groups that fit the GPU together (weights from the
@@ -38,6 +38,7 @@ from pathlib import Path
 
 PROMPT_LEN = 256
 MAX_TOKENS = 128
+MAX_BATCHED = 4096  # max_num_batched_tokens of every engine
 ROUNDS = 5
 EXTRA_ROUNDS = 3
 GIB = 2 ** 30
@@ -80,28 +81,45 @@ def verify_batches(batches, ks) -> tuple[int, ...]:
     return tuple(sorted(out - set(batches)))
 
 
-def default_plan() -> list[Engine]:
-    """The issue-23 plan, in priority order: CUDA graphs at 4 and 8 layers (plain with the
-    verify-sized batches, k = 1..5), then eager at 4 layers (plain, k = 3)."""
-    ks = range(1, 6)
-    plan = []
-    for layers in (4, 8):
-        plan.append(Engine(layers, 0, extra_batches=verify_batches(SPEC_BATCHES, ks)))
-        plan += [Engine(layers, k) for k in ks]
-    plan += [Engine(4, 0, eager=True), Engine(4, 3, eager=True)]
-    return plan
+def prompt_lengths(B: int, length: int = PROMPT_LEN, budget: int = MAX_BATCHED) -> list[int]:
+    """Prompt lengths of a batch of `B` whose prefill is one step of a power-of-two token
+    count (at most B x `length` and `budget`), spread as evenly as possible. vLLM 0.26 warms
+    DeepSeek-V4's mHC TileLang kernels up for power-of-two token counts and the CUDA-graph
+    sizes only (`model_executor/warmup/deepseek_v4_mhc_warmup.py`); their split-K factor
+    depends on the token count (`kernels/mhc/tilelang_kernels.py`: `compute_num_split`), so
+    any other prefill size compiles new kernels, 40-134 s each (seen 2026-12-02)."""
+    total = 1 << (min(B * length, budget).bit_length() - 1)
+    if total < B:
+        raise ValueError(f"batch {B} does not fit a {budget}-token prefill step")
+    return [total // B + (i < total % B) for i in range(B)]
 
 
-def chunked_plan() -> list[Engine]:
-    """As `default_plan`, but every plain batch prefills in chunks the timed batch sizes
-    already compile (B x 256 tokens with B in 1, 4, 16 or a multiple of 16): on vLLM 0.26
-    each new prefill token count JIT-compiles TileLang kernels for 45-70 s (seen 2026-12-02)."""
-    plan = []
-    for layers in (4, 8):
-        plan.append(Engine(layers, 0, extra_batches=(32, 48, 64, 80, 96)))
-        plan += [Engine(layers, k) for k in range(1, 6)]
-    plan += [Engine(4, 0, eager=True, batches=(1, 16)), Engine(4, 3, eager=True, batches=(1, 16))]
-    return plan
+def batch_prompts(B: int, seed: int, k: int) -> list[list[int]]:
+    """The pass's prompts (`prompt_lengths`): the tails of the oracle's random prompts, so each
+    still ends on an id whose greedy continuation stays in the draft vocabulary."""
+    from speclab.fixtures import realshape
+
+    lengths = prompt_lengths(B)
+    full = realshape.prompt_ids(B, max(lengths), seed=seed, max_tokens=MAX_TOKENS, k=k)
+    return [p[len(p) - n:] for p, n in zip(full, lengths)]
+
+
+def timing_plan() -> list[Engine]:
+    """The issue-23 timing in priority order, in three groups that fit one H200. The timed
+    drafts have 32 KV heads (kv_group 1: the grouping vLLM 0.26 accepted on the H200, while
+    it rejected the 8-KV-head EAGLE3.1 shape, docs/realshape-oracle-diagnosis.md): CUDA graphs
+    at 4 layers (plain with every verify-sized batch, k = 1..5), at 8 layers (the same plain,
+    k = 1 and 3: the layer-count fit and a check outside it), then eager at 4 layers (plain
+    and k = 3, the serving card's setting) beside the EAGLE3.1-shaped draft (8 KV heads) with
+    graphs and eager: the diagnosis, and that shape's own drafter time."""
+    extra = verify_batches(SPEC_BATCHES, range(1, 6))
+    return [Engine(4, 0, extra_batches=extra),
+            *(Engine(4, k, draft_kv_group=1) for k in range(1, 6)),
+            Engine(8, 0, extra_batches=extra), Engine(8, 1, draft_kv_group=1),
+            Engine(8, 3, draft_kv_group=1),
+            Engine(4, 0, eager=True, batches=(1, 16)),
+            Engine(4, 3, eager=True, batches=(1, 16), draft_kv_group=1),
+            Engine(4, 3), Engine(4, 3, eager=True, batches=(1,))]
 
 
 def oracle_diag_plan() -> list[Engine]:
@@ -113,7 +131,7 @@ def oracle_diag_plan() -> list[Engine]:
             Engine(4, 3, eager=True, batches=(1,), draft_kv_group=1)]
 
 
-PLANS = {"default": default_plan, "chunked": chunked_plan, "oracle-diag": oracle_diag_plan,
+PLANS = {"timing": timing_plan, "oracle-diag": oracle_diag_plan,
          "smoke": lambda: [Engine(4, 0, batches=(1,), extra_batches=(4,)),
                            Engine(4, 3, batches=(1,))]}
 
@@ -144,7 +162,7 @@ def engine_args(eng: Engine, target: str, draft: str | None, kv_bytes: int,
     """`LLM(**args)` for one engine of the plan."""
     args = {"model": target, "skip_tokenizer_init": True, "kv_cache_dtype": "fp8",
                 "enforce_eager": eng.eager, "max_model_len": 2048, "max_num_seqs": eng.max_num_seqs,
-                "max_num_batched_tokens": 4096, "enable_prefix_caching": False,
+                "max_num_batched_tokens": MAX_BATCHED, "enable_prefix_caching": False,
                 "disable_log_stats": False, "seed": 0, "gpu_memory_utilization": gpu_fraction,
                 "kv_cache_memory_bytes": kv_bytes}
     if not eng.eager:
@@ -228,7 +246,7 @@ def worker(spec: dict, out_fd: int) -> int:
             break
         offset = log_path.stat().st_size if log_path.exists() else 0
         B, seed = cmd["B"], cmd["seed"]
-        prompts = realshape.prompt_ids(B, PROMPT_LEN, seed=seed, max_tokens=MAX_TOKENS, k=k)
+        prompts = batch_prompts(B, seed, k)
         if cmd["op"] == "pass":
             t1, _, _ = gen(prompts, 1)
             tn, outs, c = gen(prompts, MAX_TOKENS)
@@ -236,6 +254,7 @@ def worker(spec: dict, out_fd: int) -> int:
                         for o, p in zip(outs, prompts))
             msg = {"op": "pass", "t_prefill_s": t1, "t_full_s": tn, "counters": c,
                    "outputs_exact": exact, "jit_compiled": jit_since(offset),
+                   "prompt_tokens": sum(map(len, prompts)),
                    "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs)}
             if k:
                 msg["expected"] = realshape.expected_counters(succ, prompts, k, MAX_TOKENS)
@@ -351,13 +370,13 @@ def gpu_memory() -> tuple[float, float]:
 
 def pack_groups(plan: list[Engine], weights_gib: dict[int, float], capacity_gib: float,
                 overhead_gib: float) -> list[list[Engine]]:
-    """Consecutive engines of one (layers, eager) that fit `capacity_gib` together (at least
+    """Consecutive engines of one layer count that fit `capacity_gib` together (at least
     one engine a group)."""
     need = lambda e: weights_gib[e.layers] + KV_BYTES / GIB + overhead_gib
     groups: list[list[Engine]] = []
     for e in plan:
         g = groups[-1] if groups else None
-        if g and (g[0].layers, g[0].eager) == (e.layers, e.eager) and \
+        if g and g[0].layers == e.layers and \
                 sum(map(need, g)) + need(e) <= capacity_gib:
             g.append(e)
         else:
@@ -472,7 +491,7 @@ def _drive(state: Path, deadline: float, plan_name: str, rounds: int, paths, fh)
                     ans = w.ask({"op": op, "B": B, "seed": 1000 * r + B},
                                 max(10, deadline - time.time()))
                     row = {"engine": w.eng.name, "layers": w.eng.layers, "k": w.eng.k,
-                           "eager": w.eng.eager, "round": r, "B": B, **ans,
+                           "eager": w.eng.eager, "draft_kv_group": w.eng.draft_kv_group, "round": r, "B": B, **ans,
                            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
                     append_jsonl(results, row)
                     done.add((w.eng.name, op, r, B))
@@ -507,7 +526,7 @@ def main(argv=None) -> int:
     d = sub.add_parser("drive")
     d.add_argument("--state", required=True, type=Path)
     d.add_argument("--deadline", type=float, required=True, help="epoch seconds")
-    d.add_argument("--plan", default="default", choices=sorted(PLANS))
+    d.add_argument("--plan", default="timing", choices=sorted(PLANS))
     d.add_argument("--rounds", type=int, default=ROUNDS)
     w = sub.add_parser("worker")
     w.add_argument("spec")

@@ -46,7 +46,7 @@ start)
   export SPECLAB_CACHE=$(cat "$STATE/cache_dir")
   deadline=$(( $(date +%s) + ${2:?minutes} * 60 ))
   setsid nohup python3 -m speclab.gpubench drive --state "$STATE" --deadline "$deadline" \
-    --plan "${3:-default}" > "$STATE/daemon.out" 2>&1 < /dev/null &
+    --plan "${3:-timing}" > "$STATE/daemon.out" 2>&1 < /dev/null &
   echo "driver pid $! until $(date -d @$deadline +%T) (cache $SPECLAB_CACHE); setup $(( $(date +%s) - T0 )) s"
   sleep 20; tail -n 5 "$STATE/daemon.out" ;;
 collect)

@@ -172,5 +172,16 @@ def test_log_facts_keep_what_ran():
 def test_oracle_diag_plan_separates_kv_grouping_and_graphs():
     plan = G.oracle_diag_plan()
     assert [e.name for e in plan] == ["L4-k0-graphs", "L4-k3-graphs", "L4-k3-graphs-kvg1",
-                                      "L4-k3-eager", "L4-k3-eager-kvg1"]
+                                      "L4-k3-eager", "L4-k3-eager-kvg1",
+                                      "L4-k3-graphs-drafteager", "L4-k3-graphs-fasplits0"]
     assert {e.fixture for e in plan} == {(4, "fp4", 4), (4, "fp4", 1)}
+
+
+def test_oracle_diag_arms_set_draft_eager_and_fa_splits():
+    eager_draft, heuristic_splits = G.oracle_diag_plan()[-2:]
+    a = G.engine_args(eager_draft, "t", "d", 1 << 30, 0.1)
+    assert a["speculative_config"]["enforce_eager"] is True and not a["enforce_eager"]
+    assert "attention_config" not in a
+    b = G.engine_args(heuristic_splits, "t", "d", 1 << 30, 0.1)
+    assert b["attention_config"] == {"flash_attn_max_num_splits_for_cuda_graph": 0}
+    assert "enforce_eager" not in b["speculative_config"]

@@ -59,10 +59,14 @@ class Engine:
     extra_batches: tuple[int, ...] = ()
     expert_dtype: str = "fp4"
     draft_kv_group: int = 4  # query heads per draft KV head (EAGLE3.1: 4, i.e. 8 KV heads)
+    draft_eager: bool = False  # speculative_config.enforce_eager: drafter eager, target graphs
+    fa_splits: int | None = None  # attention_config.flash_attn_max_num_splits_for_cuda_graph
 
     @property
     def name(self) -> str:
         tag = "" if self.draft_kv_group == 4 else f"-kvg{self.draft_kv_group}"
+        tag += "-drafteager" if self.draft_eager else ""
+        tag += "" if self.fa_splits is None else f"-fasplits{self.fa_splits}"
         return f"L{self.layers}-k{self.k}-{'eager' if self.eager else 'graphs'}{tag}"
 
     @property
@@ -128,7 +132,12 @@ def oracle_diag_plan() -> list[Engine]:
     and with 32 (the accepted tiny dial's grouping), eager and with CUDA graphs, one round."""
     return [Engine(4, 0, batches=(1,)), Engine(4, 3, batches=(1,)),
             Engine(4, 3, batches=(1,), draft_kv_group=1), Engine(4, 3, eager=True, batches=(1,)),
-            Engine(4, 3, eager=True, batches=(1,), draft_kv_group=1)]
+            Engine(4, 3, eager=True, batches=(1,), draft_kv_group=1),
+            # graphs split further: the drafter's own breakable CUDA graphs off (target keeps
+            # graphs), and FA3 left to its split heuristics (graph mode forces num_splits 32
+            # on every draft attention call, eager passes 0: flash_attn.py:411-419, 491-499)
+            Engine(4, 3, batches=(1,), draft_eager=True),
+            Engine(4, 3, batches=(1,), fa_splits=0)]
 
 
 PLANS = {"timing": timing_plan, "oracle-diag": oracle_diag_plan,
@@ -172,6 +181,10 @@ def engine_args(eng: Engine, target: str, draft: str | None, kv_bytes: int,
     if eng.k:
         args["speculative_config"] = {"method": "eagle3", "model": draft,
                                       "num_speculative_tokens": eng.k}
+        if eng.draft_eager:
+            args["speculative_config"]["enforce_eager"] = True
+    if eng.fa_splits is not None:
+        args["attention_config"] = {"flash_attn_max_num_splits_for_cuda_graph": eng.fa_splits}
     return args
 
 

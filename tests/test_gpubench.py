@@ -67,16 +67,26 @@ def test_drive_starts_nothing_past_its_deadline(tmp_path, fake_pair):
 
 
 def test_groups_pack_by_memory_and_layer_count():
-    plan = G.timing_plan()
+    plan = G.timing_plan("kvg1")
     groups = G.pack_groups(plan, {4: 17.0, 8: 30.3}, 130.0, 2.5)
     assert [[e.name for e in g] for g in groups] == [
         ["L4-k0-graphs", *(f"L4-k{k}-graphs-kvg1" for k in range(1, 6))],
         ["L8-k0-graphs", "L8-k1-graphs-kvg1", "L8-k3-graphs-kvg1"],
-        ["L4-k0-eager", "L4-k3-eager-kvg1", "L4-k3-graphs", "L4-k3-eager"]]
+        ["L4-k0-eager", "L4-k3-eager-kvg1", "L4-k3-graphs"]]
     assert G.verify_batches((1, 4), (1, 3)) == (2, 8, 16)
     # the plain engines time every verify step of k = 1..5 at B = 1, 4, 16
     assert set(plan[0].extra_batches) | set(plan[0].batches) >= {
         b * (k + 1) for b in (1, 4, 16) for k in range(6)}
+
+
+def test_timing_variants_set_the_draft_and_keep_plain_alike():
+    names = [e.name for e in G.timing_plan("eagle31")]
+    assert len(names) == len(set(names)) == 11  # the EAGLE3.1 graphs k = 3 engine once
+    fa = G.timing_plan("fasplits0")
+    assert all(e.fa_splits == 0 for e in fa if e.name != "L4-k3-graphs")  # plain too
+    assert all(e.draft_eager == (e.k > 0) for e in G.timing_plan("drafteager")
+               if e.name != "L4-k3-graphs")
+    assert set(G.PLANS) >= {f"timing-{v}" for v in G.DRAFT_VARIANTS}
 
 
 def test_prompt_lengths_prefill_in_one_warmed_step():
@@ -171,10 +181,11 @@ def test_log_facts_keep_what_ran():
 
 def test_oracle_diag_plan_separates_kv_grouping_and_graphs():
     plan = G.oracle_diag_plan()
-    assert [e.name for e in plan] == ["L4-k0-graphs", "L4-k3-graphs", "L4-k3-graphs-kvg1",
-                                      "L4-k3-eager", "L4-k3-eager-kvg1",
-                                      "L4-k3-graphs-drafteager", "L4-k3-graphs-fasplits0"]
+    assert [e.name for e in plan] == ["L4-k3-graphs", "L4-k3-eager", "L4-k3-graphs-kvg1",
+                                      "L4-k3-eager-kvg1", "L4-k3-graphs-drafteager",
+                                      "L4-k3-graphs-fasplits0"]
     assert {e.fixture for e in plan} == {(4, "fp4", 4), (4, "fp4", 1)}
+    assert len(G.pack_groups(plan, {4: 17.0}, 130.0, 2.5)) == 1  # one engine start
 
 
 def test_oracle_diag_arms_set_draft_eager_and_fa_splits():

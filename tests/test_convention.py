@@ -7,9 +7,9 @@ import subprocess
 import sys
 
 import numpy as np
-import pandas as pd
 import pytest
 import yaml
+from fake_requests import requests
 
 from speclab import convention, engine, explorer, parity, profiles, report, store, sweep
 from speclab.profiles import REPO, ProfileError
@@ -179,7 +179,7 @@ def fake_run(tmp_path, rates: dict[str, list[float]], applied=True, n=40, k=3, s
                          "accepted_per_pos": list(app), "prompt_id": f"p{r}"})
         store.write_point(run, store.PointResult(
             point_id=pid, status="ok", aux_convention=res,
-            point={"k": k, "aux_layer_convention": conv}), pd.DataFrame(rows))
+            point={"k": k, "aux_layer_convention": conv}), requests(rows))
     return run
 
 
@@ -280,7 +280,7 @@ def test_the_layer_rigs_expectations_name_output_the_winner(tmp_path):
                 for pid, c in zip(expected["prompt_ids"], exp["counters"]["per_prompt"])]
         store.write_point(run, store.PointResult(
             point_id=point.id, status="ok", aux_convention=res,
-            point=point.model_dump(mode="json")), pd.DataFrame(rows))
+            point=point.model_dump(mode="json")), requests(rows))
     table = convention.by_convention(*store.load_results(run), n_boot=200)
     first = table[table.position == 0].set_index("convention").unconditional
     assert first["output"] == 1.0 and first["input"] == 0.0

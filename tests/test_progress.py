@@ -21,7 +21,7 @@ def test_durations_read_naturally():
 
 
 def test_sweep_prints_a_line_per_point(tmp_path, monkeypatch, capsys):
-    import pandas as pd
+    from fake_requests import request
 
     from speclab import fingerprint, launch, profiles, store, sweep
 
@@ -31,7 +31,7 @@ def test_sweep_prints_a_line_per_point(tmp_path, monkeypatch, capsys):
     done = store.PointResult(  # an earlier run's
         point_id=points[0].id, status="ok", point=points[0].model_dump(mode="json"),
         n_requests=1, fingerprint=fingerprint.of_point(prof, points[0]))
-    store.write_point(tmp_path, done, pd.DataFrame({"request": [0]}))
+    store.write_point(tmp_path, done, [request(points[0].id)])
     monkeypatch.setattr(launch, "prepare_models", lambda *a: None)
     monkeypatch.setattr(launch, "run_point", lambda prof, p, run_dir, fp=None: {
         "point_id": p.id, "status": "ok" if p.k == 1 else "error", "error": "boom", "wall_s": 65})

@@ -29,7 +29,7 @@ def runs(tmp_path):
 
 def test_summary_has_one_row_per_point_and_one_al_definition(runs):
     t = summary.write(runs / "tiny-cpu")
-    metas = list((runs / "tiny-cpu" / "points").glob("*.json"))
+    metas = list((runs / "tiny-cpu" / "results").glob("*.json"))
     back = pd.read_parquet(runs / "tiny-cpu" / "summary.parquet")
     assert len(back) == len(metas) == len(pd.read_csv(runs / "tiny-cpu" / "summary.csv"))
     assert set(back.point_id) == {m.stem for m in metas}

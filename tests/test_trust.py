@@ -95,7 +95,7 @@ def test_changed_settings_are_measured_again_and_the_old_result_kept(prof_path, 
     run_dir = tmp_path / "run"
     res, msgs = sweep_run(prof_path, run_dir)
     assert [m["status"] for m in res] == ["ok", "ok"] and len(starts(fake)) == 2 and not msgs
-    meta = json.loads((run_dir / "points" / f"{res[0]['point_id']}.json").read_text())
+    meta = json.loads((run_dir / "results" / f"{res[0]['point_id']}.json").read_text())
     assert meta["sampling"]["max_tokens"] == 16 and meta["fingerprint"]["digest"]
 
     sweep_run(prof_path, run_dir)
@@ -112,7 +112,7 @@ def test_changed_settings_are_measured_again_and_the_old_result_kept(prof_path, 
         res, msgs = sweep_run(prof_path, run_dir, overrides)
         assert len(starts(fake)) == n + 2, overrides
         assert len(msgs) == 2 and all(what in m and "measuring again" in m for m in msgs), msgs
-    new = json.loads((run_dir / "points" / f"{res[0]['point_id']}.json").read_text())
+    new = json.loads((run_dir / "results" / f"{res[0]['point_id']}.json").read_text())
     assert new["sampling"]["max_tokens"] == 48 and new["sampling"]["temperature"] == 0.5
     kept = sorted((run_dir / "superseded").glob(f"*/{res[0]['point_id']}.json"))
     assert len(kept) == 4, "every earlier result is kept aside"
@@ -129,7 +129,7 @@ def test_a_point_measured_elsewhere_or_before_fingerprints_is_not_resumed(
     _, msgs = sweep_run(prof_path, run_dir)
     assert len(starts(fake)) == 4 and all("hardware.cpu" in m for m in msgs), msgs
 
-    path = run_dir / "points" / f"{res[0]['point_id']}.json"
+    path = run_dir / "results" / f"{res[0]['point_id']}.json"
     meta = json.loads(path.read_text())
     del meta["fingerprint"]  # as committed before fingerprints existed
     path.write_text(json.dumps(meta))
@@ -159,7 +159,7 @@ def test_make_report_measures_into_its_own_ignored_folder(prof_path, monkeypatch
 def _fake_group(ran: list):
     """Stands in for the multipass child: writes every pass it finds missing, with the
     fingerprint the parent sent."""
-    import pandas as pd
+    from fake_requests import request
 
     def run(spec, run_dir, name, env, timeout):
         ran.append(name)
@@ -169,7 +169,7 @@ def _fake_group(ran: list):
                 store.write_point(run_dir, store.PointResult(
                     point_id=pid, status="ok", point=p, engine_group=spec["name"], pass_index=i,
                     n_requests=1, fingerprint=spec.get("fingerprints", {}).get(pid)),
-                    pd.DataFrame({"x": [1]}))
+                    [request(pid)])
     return run
 
 
@@ -256,7 +256,7 @@ def test_analysis_never_takes_an_unreadable_parquet_as_ok(prof_path, tmp_path, f
     res, _ = sweep_run(prof_path, run_dir)
     rec, _ = store.point_paths(run_dir, res[1]["point_id"])
     _truncate(rec)
-    (run_dir / "points" / "broken.json").write_text("{")
+    (run_dir / "results" / "broken.json").write_text("{")
     with pytest.warns(UserWarning) as caught:
         pts, recs = store.load_results(run_dir)
     text = " ".join(str(w.message) for w in caught)
@@ -294,7 +294,7 @@ def test_second_sweep_refused_then_ctrl_c_stops_cleanly(prof_path, tmp_path, fak
     assert last.startswith("speclab: interrupted; finished points are kept in ") and \
         f"--run-id {run_dir}" in last, err
     assert wait_for(lambda: not processes_naming(str(run_dir)), 10), "a worker outlived Ctrl-C"
-    assert not list((run_dir / "points").glob("*.json")), "an interrupted point was recorded"
+    assert not list((run_dir / "results").glob("*.json")), "an interrupted point was recorded"
     res, _ = sweep_run(prof_path, run_dir)  # the lock is free again
     assert [m["status"] for m in res] == ["ok", "ok"]
 
@@ -364,7 +364,7 @@ def test_a_killed_sweep_takes_its_worker_and_the_workers_children_along(prof_pat
     parent.wait()
     assert wait_for(lambda: not processes_naming(str(run_dir)), 5), \
         f"left running: {processes_naming(str(run_dir))}"
-    assert not list((run_dir / "points").glob("*.json"))
+    assert not list((run_dir / "results").glob("*.json"))
 
 
 GROUPS = """

@@ -211,11 +211,10 @@ def run(profile: Profile, run_dir: Path, points: list, fps: dict[str, dict],
 def _store(run_dir: Path, point, out: dict, executor: dict, beside: list[str]) -> dict:
     """Write what the node returned through the run store (paths of its scratch folder
     become the run folder's); a point without results gets an error record."""
-    import pandas as pd
-
     files = out.get("files", {})
     scratch = out.get("scratch")
-    rec_name, meta_name = (f"points/{point.id}.parquet", f"points/{point.id}.json")
+    rec_name, meta_name = (str(p.relative_to(run_dir)) for p in store.point_paths(run_dir,
+                                                                                    point.id))
     for name, data in files.items():
         if name in (rec_name, meta_name):
             continue
@@ -227,7 +226,7 @@ def _store(run_dir: Path, point, out: dict, executor: dict, beside: list[str]) -
     else:
         meta = {"point_id": point.id, "status": "error", "point": point.model_dump(mode="json"),
                 "error": out["error"]}
-    records = pd.read_parquet(io.BytesIO(files[rec_name])) if (
+    records = store.read_request_file(io.BytesIO(files[rec_name])) if (
         meta["status"] == "ok" and rec_name in files) else None
     return store.write_point(run_dir, store.PointResult.model_validate(
         {**meta, "executor": executor, "side_by_side": beside}), records)

@@ -4,8 +4,8 @@ no plain pass saw.
 
 A `Group` is one engine (`engine_point`: its configuration, and any defect that must exist
 before the model loads) and the passes it runs, each recorded as its own point of the run
-folder in the sweep's format (`points/<id>.parquet|json`, metadata `engine_group` and
-`pass_index`), so `store.load_results` reads them with the rest; a pass is resumed only
+folder in the sweep's format (`points/<id>.parquet`, `results/<id>.json` with `engine_group`
+and `pass_index`), so `store.load_results` reads them with the rest; a pass is resumed only
 when its fingerprint still matches, like a sweep point. Plain passes request top-2 logprobs
 in the pass itself. `python -m speclab.multipass SPEC.json` runs one group (or one rescoring
 job) in a fresh process tied to its parent (speclab.launch), like `speclab.worker`.
@@ -146,7 +146,7 @@ def _run_group(spec: dict) -> None:
     from vllm import SamplingParams
 
     from speclab import defects, engine, metrics, prompts
-    from speclab.worker import records_frame
+    from speclab.worker import request_records
 
     profile = Profile.model_validate(spec["profile"])
     base = Point.model_validate(spec["engine_point"])
@@ -178,8 +178,8 @@ def _run_group(spec: dict) -> None:
             traces = engine.generate_stepwise(llm, ids, sp, p.concurrency)
             gen_s = time.perf_counter() - g0
             delta = metrics.from_snapshot(llm.get_metrics()) - before
-            records = records_frame(profile, p, plist, ids, traces)
-            n_out = int(records.n_output.sum())
+            records = request_records(p, plist, ids, traces)
+            n_out = sum(r.n_output for r in records)
             store.write_point(run_dir, store.PointResult(
                 point_id=p.id, status="ok", point=p.model_dump(mode="json"),
                 profile=profile.name, engine_group=spec["name"], pass_index=i,

@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Iterator
 
 import httpx
-import pandas as pd
 
 from speclab import convention, engine, fingerprint, launch, metrics, prompts, runlock, store
 from speclab.profiles import Point, Profile, prompt_file, resolve_model
@@ -257,12 +256,11 @@ def _measure_level(url: str, profile: Profile, point: Point, run_dir: Path, plis
     gen_s = time.perf_counter() - g0
     total = scrape(url)
     delta = total - before
-    rows = [{"point_id": pid, "k": point.k, "kv_cache_dtype": point.kv_cache_dtype,
-             "draft_kv_cache_dtype": point.draft_kv_cache_dtype,
-             "layout": point.layout.label, "prompt_format": point.prompt_format,
-             "repeat": point.repeat, "concurrency": c, "prompt_id": p.id,
-             "category": p.category, **r, **_chunk_counters(r, point.k)}
-            for p, r in zip(plist, res)]
+    rows = [store.RequestRecord(
+        point_id=pid, k=point.k, kv_cache_dtype=point.kv_cache_dtype,
+        draft_kv_cache_dtype=point.draft_kv_cache_dtype, layout=point.layout.label,
+        prompt_format=point.prompt_format, repeat=point.repeat, concurrency=c, prompt_id=p.id,
+        category=p.category, **r, **_chunk_counters(r, point.k)) for p, r in zip(plist, res)]
     n_out = sum(r["n_output"] for r in res)
     from_chunks = sum((metrics.SpecCounters(**{k: v for k, v in _chunk_counters(
         r, point.k, raw=True).items()}) for r in res), metrics.SpecCounters())
@@ -277,4 +275,4 @@ def _measure_level(url: str, profile: Profile, point: Point, run_dir: Path, plis
             "passes": [{"round": 1, "generate_s": gen_s, "output_tokens": n_out,
                         "tok_s": n_out / gen_s, "at": time.time()}],
             "versions": engine.versions(), "finished_at": time.time()})
-    store.write_point(run_dir, meta, pd.DataFrame(rows))
+    store.write_point(run_dir, meta, rows)

@@ -11,7 +11,8 @@ import pytest
 import yaml
 from fake_requests import requests
 
-from speclab import convention, engine, explorer, parity, profiles, report, store, sweep
+from speclab import (convention, engine, explorer, parity, preflight, profiles, report, store,
+                     sweep)
 from speclab.profiles import REPO, ProfileError
 
 EAGLE31 = {"architectures": ["LlamaForCausalLMEagle3"],
@@ -124,7 +125,7 @@ def test_out_of_range_capture_is_a_clear_error_before_any_model_loads(tmp_path):
     assert convention.env_problems(ok, env={}) == []
     bad = profiles.load(write(sub(tmp_path, "x"),
                               small, draft, grid={"aux_layer_convention": ["output", "input"]}))
-    problems = profiles.check_env(bad)
+    problems = preflight.check_env(bad)
     assert any(p.startswith("aux_layer_convention=output:") and "[5] not in 1..4" in p
                for p in problems), problems
     assert not any("aux_layer_convention=input" in p for p in problems)

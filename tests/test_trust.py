@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 import yaml
 
-from speclab import analysis, cli, fingerprint, launch, profiles, runlock, server, store, sweep
+from speclab import (analysis, cli, fingerprint, launch, preflight, profiles, runlock, server,
+                     store, sweep)
 from speclab.profiles import REPO, Point
 
 TESTS = Path(__file__).parent
@@ -407,25 +408,25 @@ def _profile(tmp_path, prof_path, **changes) -> Path:
 
 def test_engine_key_typo_named_with_the_closest_valid_key(prof_path, tmp_path, capsys):
     p = _profile(tmp_path, prof_path, engine={"gpu_memory_utilisation": 0.5})
-    problems = profiles.check_env(profiles.load(p))
+    problems = preflight.check_env(profiles.load(p))
     assert any("engine.gpu_memory_utilisation" in m and "did you mean gpu_memory_utilization"
                in m for m in problems), problems
     assert cli.main(["profile", "check", str(p), "--strict"]) == 1
     assert "did you mean gpu_memory_utilization" in capsys.readouterr().out
-    assert not profiles.engine_key_problems(profiles.load(prof_path))
+    assert not preflight.engine_key_problems(profiles.load(prof_path))
     assert {"enforce_eager", "max_model_len", "kv_cache_memory_bytes",
-            "gpu_memory_utilization", "speculative_config"} <= profiles.engine_arg_names()
+            "gpu_memory_utilization", "speculative_config"} <= preflight.engine_arg_names()
 
 
 def test_tp_beyond_the_numa_nodes_of_the_cpu_backend(prof_path, tmp_path, monkeypatch):
-    tp = profiles.numa_nodes() + 1
+    tp = preflight.numa_nodes() + 1
     p = _profile(tmp_path, prof_path, grid={"num_speculative_tokens": [0],
                                             "layout": [{"tp": tp}]})
-    assert any(f"TP x DP = {tp}" in m and "NUMA" in m for m in profiles.check_env(
+    assert any(f"TP x DP = {tp}" in m and "NUMA" in m for m in preflight.check_env(
         profiles.load(p)))
     assert cli.main(["profile", "check", str(p), "--strict"]) == 1
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "|".join(["0"] * tp))
-    assert not any("NUMA" in m for m in profiles.check_env(profiles.load(p)))
+    assert not any("NUMA" in m for m in preflight.check_env(profiles.load(p)))
 
 
 def test_a_profile_that_is_not_a_mapping_names_its_file(tmp_path, capsys):

@@ -134,7 +134,7 @@ def _levels(text: str) -> list[int]:
 def cmd_sweep(a) -> int:
     import fnmatch
 
-    from speclab import parity, profiles, server, store, sweep
+    from speclab import parity, preflight, profiles, server, store, sweep
 
     over = _override(a.override) or {}
     if a.executor:
@@ -145,7 +145,7 @@ def cmd_sweep(a) -> int:
     if a.mode == "server" and prof.executor != "local":
         raise ValueError("server mode runs on this machine only (--executor local)")
     levels = _levels(a.concurrency) if a.mode == "server" else []
-    problems = profiles.check_env(prof)
+    problems = preflight.check_env(prof)
     if problems:
         raise profiles.ProfileError("\n".join(problems))
     points = profiles.expand(prof)
@@ -172,7 +172,7 @@ def cmd_sweep(a) -> int:
 
 
 def cmd_profile(a) -> int:
-    from speclab import engine, memory, profiles, releases
+    from speclab import engine, memory, preflight, profiles, releases
 
     if a.action == "list":
         print("\n".join(profiles.available()))
@@ -195,11 +195,10 @@ def cmd_profile(a) -> int:
         print(f"  memory {est.point}: {est.line()}")
     for note in dict.fromkeys(n for e in ests for n in e.notes):
         print(f"  memory from {note}")
-    problems = profiles.check_env(prof) + [f"{e.point}: does not fit in memory" for e in ests
-                                           if e.verdict == "does not fit"]
+    problems = preflight.check_env(prof) + preflight.memory_problems(ests)
     for msg in problems:
         print(f"  not runnable here: {msg}")
-    if warning := releases.horizon(profiles.installed_vllm()):
+    if warning := releases.horizon(preflight.installed_vllm()):
         print(f"  warning: {warning}")
     return 1 if problems and a.strict else 0
 

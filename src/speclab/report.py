@@ -16,7 +16,8 @@ from pathlib import Path
 import nbformat
 import pandas as pd
 
-from speclab import convention, paths, profiles, progress, provenance, store, summary
+from speclab import (convention, paths, preflight, profiles, progress, provenance, store,
+                     summary)
 from speclab.notebook import MIME
 
 NOTEBOOK_DIR = paths.RESOURCES / "notebooks"
@@ -47,7 +48,7 @@ def run_suite(profile: str, *, run_id: str | None = None, notebooks=SUITE,
 
     prof = profiles.load(profile, (parameters or {}).get("overrides"))
     executes = (parameters or {}).get("execute", True)
-    problems = profiles.check_env(prof) if executes else []
+    problems = preflight.check_env(prof) if executes else []
     if problems:
         raise profiles.ProfileError(f"profile {prof.name} cannot run here:\n  " + "\n  ".join(problems))
     run_dir, fig_dir = store.run_dirs(run_id or prof.name, runs_root, figures_root)

@@ -245,7 +245,7 @@ def test_cpu_engine_records_the_convention_it_cannot_apply(tmp_path, fixture_cac
     os.environ["SPECLAB_CACHE"] = str(fixture_cache.parent)
     prof = profiles.load(p)
     run = tmp_path / "run"
-    metas = sweep.run(prof, run, progress=False)
+    metas = sweep.run(prof, run)
     assert [m["status"] for m in metas] == ["ok", "ok"], [m.get("error") for m in metas]
     for m in metas:
         res = m["aux_convention"]

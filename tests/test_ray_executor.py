@@ -157,7 +157,7 @@ def test_ray_sweep_on_a_local_cluster(tmp_path, fixture_cache, monkeypatch):
     prof = profiles.load("tiny-cpu", OVER)
     ids = [p.id for p in sweep.expand(prof)]
     local_dir, ray_dir = tmp_path / "local", tmp_path / "ray"
-    sweep.run(prof, local_dir, progress=False)
+    sweep.run(prof, local_dir)
 
     cluster = LocalCluster()
     try:

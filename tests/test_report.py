@@ -150,8 +150,9 @@ def _notebook_file(path: Path, *sources: str) -> None:
 def test_failing_notebook_still_writes_a_report(tmp_path, monkeypatch, capsys):
     nbdir = tmp_path / "nbs"
     nbdir.mkdir()
-    _notebook_file(nbdir / "ok.ipynb", "from speclab import progress\n"
-                   "progress.say('step one of ok')")
+    _notebook_file(nbdir / "ok.ipynb", "import logging\nfrom speclab import progress\n"
+                   "progress.log_to_stdout()\n"
+                   "logging.getLogger('speclab.x').info('step one of ok')")
     _notebook_file(nbdir / "bad.ipynb", "print('before')", "1 / 0", "print('never')")
     monkeypatch.setattr(report, "NOTEBOOK_DIR", nbdir)
     from speclab import cli

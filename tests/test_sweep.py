@@ -24,7 +24,7 @@ from speclab import profiles, sweep
 from speclab.profiles import Point
 prof = profiles.load(sys.argv[1])
 pts = sweep.expand(prof) + [Point(k=0, engine={"max_model_len": 10 ** 9})]
-sweep.run(prof, sys.argv[2], pts, retry_failed=sys.argv[3] == "retry", progress=False)
+sweep.run(prof, sys.argv[2], pts, retry_failed=sys.argv[3] == "retry")
 """
 
 

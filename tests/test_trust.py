@@ -5,6 +5,7 @@ Resume by fingerprint, timing rounds, the run-folder lock, damaged files, early 
 server failures and timeouts, Ctrl-C and a killed parent."""
 
 import json
+import logging
 import os
 import signal
 import socket
@@ -12,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -63,10 +65,22 @@ def starts(log: Path) -> list[str]:
     return log.read_text().splitlines() if log.exists() else []
 
 
-def sweep_run(path, run_dir, overrides=None, **kw):
+@contextmanager
+def warnings_logged():
+    """The `speclab` logger's warnings during the block, as messages."""
     msgs: list[str] = []
-    res = sweep.run(profiles.load(path, overrides), run_dir, progress=False, log=msgs.append,
-                    **kw)
+    h = logging.Handler(logging.WARNING)
+    h.emit = lambda record: msgs.append(record.getMessage())
+    logging.getLogger("speclab").addHandler(h)
+    try:
+        yield msgs
+    finally:
+        logging.getLogger("speclab").removeHandler(h)
+
+
+def sweep_run(path, run_dir, overrides=None, **kw):
+    with warnings_logged() as msgs:
+        res = sweep.run(profiles.load(path, overrides), run_dir, **kw)
     return res, msgs
 
 
@@ -178,14 +192,14 @@ def test_multipass_resume_measures_passes_with_changed_settings_again(prof_path,
                                                                       monkeypatch):
     from speclab import multipass
 
-    run_dir, ran, msgs = tmp_path / "run", [], []
+    run_dir, ran = tmp_path / "run", []
     monkeypatch.setattr(multipass, "_subprocess", _fake_group(ran))
     group = multipass.same_engine_repeats("noise", Point(k=0), 2)
-    multipass.run_groups(profiles.load(prof_path), run_dir, [group], log=msgs.append)
-    multipass.run_groups(profiles.load(prof_path), run_dir, [group], log=msgs.append)
-    assert ran == ["group-noise"] and not msgs, "an unchanged group ran again"
-    multipass.run_groups(profiles.load(prof_path, {"max_tokens": 48}), run_dir, [group],
-                         log=msgs.append)
+    with warnings_logged() as msgs:
+        multipass.run_groups(profiles.load(prof_path), run_dir, [group])
+        multipass.run_groups(profiles.load(prof_path), run_dir, [group])
+        assert ran == ["group-noise"] and not msgs, "an unchanged group ran again"
+        multipass.run_groups(profiles.load(prof_path, {"max_tokens": 48}), run_dir, [group])
     assert ran == ["group-noise"] * 2, "changed settings reused the earlier passes"
     assert len(msgs) == 2 and all("sampling.max_tokens 16 -> 48" in m for m in msgs), msgs
     assert len(list((run_dir / "superseded").glob("*/k0_*.json"))) == 2
@@ -350,7 +364,7 @@ import sys
 sys.path.insert(0, {str(TESTS)!r})
 from speclab import launch, profiles, sweep
 launch.WORKER = sys.argv[3]
-sweep.run(profiles.load(sys.argv[1]), sys.argv[2], progress=False)
+sweep.run(profiles.load(sys.argv[1]), sys.argv[2])
 """
 
 

@@ -11,6 +11,8 @@ import sys
 import time
 from pathlib import Path
 
+from speclab import progress
+
 
 def _value(text: str):
     """A parameter value as papermill's -p reads it, plus YAML/JSON lists and mappings:
@@ -245,9 +247,8 @@ def cmd_predict(a) -> int:
 
 
 def cmd_fixtures(a) -> int:
-    from speclab import fixtures, progress
+    from speclab import fixtures
 
-    progress.log_to_stdout()  # the build's steps (training loss, times)
     cache = Path(a.cache) if a.cache else None
     names = a.names or [n for n, fx in fixtures.FIXTURES.items() if fx.by_default]
     if a.action == "list":
@@ -410,6 +411,7 @@ def main(argv: list[str] | None = None) -> int:
     from speclab.runlock import RunLocked
 
     a = build_parser().parse_args(argv)
+    progress.log_to_stdout()  # the package's progress lines (sweeps, fixture builds, ...)
     # SIGTERM unwinds like Ctrl-C, so worker processes and servers are stopped on the way out
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:

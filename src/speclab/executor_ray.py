@@ -15,15 +15,18 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import os
 import platform
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 from speclab import launch, profiles, store
 from speclab.profiles import Profile, ProfileError, prompt_file
+
+log = logging.getLogger(__name__)
 
 
 def resource(profile: Profile) -> str:
@@ -105,8 +108,8 @@ def _drop_ray_thread_cap() -> None:
 
 
 # --------------------------------------------------------------------- on the driver
-def run(profile: Profile, run_dir: Path, points: list, fps: dict[str, dict],
-        log: Callable | None = print) -> Iterator[dict]:
+def run(profile: Profile, run_dir: Path, points: list, fps: dict[str, dict]
+        ) -> Iterator[dict]:
     """Run `points` on the Ray cluster; yield each point's metadata once it is written, with
     the driver's fingerprint (fps, by point id) as each point's."""
     if not points:
@@ -181,10 +184,9 @@ def run(profile: Profile, run_dir: Path, points: list, fps: dict[str, dict],
                 retries[pid].append({"node": _label(nodes, node_id), "node_id": node_id,
                                      "error": f"{type(e).__name__}: {e}"[:2000],
                                      "at": time.time()})
-                if log:
-                    log(f"point {pid}: node {_label(nodes, node_id)} failed "
-                        f"({type(e).__name__}); " + ("placing it again" if len(retries[pid])
-                                                     <= profile.ray.retries else "giving up"))
+                log.warning(f"point {pid}: node {_label(nodes, node_id)} failed "
+                            f"({type(e).__name__}); " + ("placing it again" if len(
+                                retries[pid]) <= profile.ray.retries else "giving up"))
                 if len(retries[pid]) <= profile.ray.retries:
                     place(pid)
                     continue

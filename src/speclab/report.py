@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import html
 import json
+import logging
 import re
 import time
 from pathlib import Path
@@ -22,6 +23,7 @@ from speclab.notebook import MIME
 
 NOTEBOOK_DIR = paths.RESOURCES / "notebooks"
 SUITE = ("00_overlay", "01_sweep", "02_acceptance", "03_parity", "04_explorer")
+log = logging.getLogger(__name__)
 class NotebookFailed(RuntimeError):
     """A notebook of the suite raised; the report was still written and says where."""
 
@@ -31,13 +33,9 @@ class NotebookFailed(RuntimeError):
                          f"{failure['error']}; report with what ran: {report}")
 
 
-def _say(text: str) -> None:
-    print(text, flush=True)
-
-
 def run_suite(profile: str, *, run_id: str | None = None, notebooks=SUITE,
               parameters: dict | None = None, runs_root: Path | None = None,
-              figures_root: Path | None = None, log=_say) -> Path:
+              figures_root: Path | None = None) -> Path:
     """Validate the profile, execute the notebooks into <run>/notebooks/, write
     summary.parquet/.csv, provenance.json and report.html; returns the report path. Fails
     before any notebook runs if the profile cannot run here, unless parameters["execute"] is
@@ -61,8 +59,8 @@ def run_suite(profile: str, *, run_id: str | None = None, notebooks=SUITE,
     timings, done, failure = {}, [], None
     for i, name in enumerate(notebooks, 1):
         t0 = time.time()
-        log(f"{progress.PREFIX} notebook {i}/{len(notebooks)} {name} started "
-            f"{time.strftime('%H:%M:%S')} (run {run_dir.name})")
+        log.info(f"notebook {i}/{len(notebooks)} {name} started "
+                 f"{time.strftime('%H:%M:%S')} (run {run_dir.name})")
         src = NOTEBOOK_DIR / f"{name}.ipynb"
         declared = pm.inspect_notebook(str(src))  # pass each notebook only what it declares
         try:
@@ -75,8 +73,9 @@ def run_suite(profile: str, *, run_id: str | None = None, notebooks=SUITE,
                        "source": e.source}
         timings[name] = round(time.time() - t0, 1)
         done.append(name)
-        log(f"{progress.PREFIX} notebook {name} {'FAILED' if failure else 'done'} in "
-            f"{progress.duration(timings[name])} · elapsed {progress.duration(time.time() - started)}")
+        log.info(f"notebook {name} {'FAILED' if failure else 'done'} in "
+                 f"{progress.duration(timings[name])} · elapsed "
+                 f"{progress.duration(time.time() - started)}")
         if failure:
             break
     summary.write(run_dir)
@@ -89,7 +88,7 @@ def run_suite(profile: str, *, run_id: str | None = None, notebooks=SUITE,
         if "side_by_side" in pts else []
     (run_dir / "provenance.json").write_text(json.dumps(prov, indent=1, default=str))
     report = export_html(run_dir, done, prov, failure=failure)
-    log(f"{progress.PREFIX} report: {report}")
+    log.info(f"report: {report}")
     if failure:
         raise NotebookFailed(failure, report)
     return report

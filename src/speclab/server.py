@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import socket
 import subprocess
@@ -30,6 +31,7 @@ import httpx
 from speclab import convention, engine, fingerprint, launch, metrics, prompts, runlock, store
 from speclab.profiles import Point, Profile, prompt_file, resolve_model
 
+log = logging.getLogger(__name__)
 SERVED_NAME = "speclab"
 
 
@@ -199,8 +201,7 @@ def run_point(profile: Profile, point: Point, run_dir: Path, levels: list[int]) 
     with runlock.hold(run_dir):
         fp = fingerprint.of_point(profile, point, mode="server")
         stamp = store.stamp()
-        todo = [c for c in levels if store.needs_run(run_dir, level_id(point, c), fp, stamp,
-                                                     print)]
+        todo = [c for c in levels if store.needs_run(run_dir, level_id(point, c), fp, stamp)]
         if todo:
             _serve_levels(profile, point, run_dir, todo, fp, stamp)
         return [store.read_meta(run_dir, level_id(point, c)) for c in levels]
@@ -239,8 +240,8 @@ def _serve_levels(profile: Profile, point: Point, run_dir: Path, todo: list[int]
             time.sleep(float(env["VLLM_LOG_STATS_INTERVAL"]) + 1.5)
     except (RuntimeError, OSError, httpx.HTTPError, asyncio.TimeoutError) as e:
         error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}".rstrip(": ")
-        print(f"point {point.id}: server failed ({error}); recorded for concurrency "
-              f"{', '.join(map(str, left))}, going on")
+        log.warning(f"point {point.id}: server failed ({error}); recorded for concurrency "
+                    f"{', '.join(map(str, left))}, going on")
         for c in left:
             store.write_point(run_dir, store.PointResult(
                 **base, point_id=level_id(point, c), concurrency=c, error=error,

@@ -20,6 +20,7 @@ so a full disk leaves no half-written or hidden file behind."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import tempfile
 import time
@@ -36,6 +37,7 @@ from speclab import fingerprint
 from speclab.paths import run_folders
 from speclab.profiles import Profile
 
+log = logging.getLogger(__name__)
 SCHEMA_VERSION = 1
 REQUEST_SCHEMA_VERSION = 1
 
@@ -395,22 +397,22 @@ def save_profile(profile: Profile, run_dir: Path, when: str) -> None:
     atomic_write(path, new)
 
 
-def needs_run(run_dir: Path, point_id: str, fp: dict, when: str, log: Callable[[str], Any],
+def needs_run(run_dir: Path, point_id: str, fp: dict, when: str,
               retry_failed: bool = True) -> bool:
     """Whether a point must be measured (again): none on disk, damaged, measured with another
-    fingerprint (both set aside under superseded/<when>/, with one line on `log`), or failed
-    (when retry_failed)."""
+    fingerprint (both set aside under superseded/<when>/, with one line on the log), or
+    failed (when retry_failed)."""
     meta, problem = inspect_point(run_dir, point_id)
     if problem:
         dest = set_aside(run_dir, point_id, when)
-        log(f"point {point_id}: {problem}; moved to {dest}, measuring again")
+        log.warning(f"point {point_id}: {problem}; moved to {dest}, measuring again")
         return True
     if meta is None:
         return True
     if (meta.get("fingerprint") or {}).get("digest") != fp["digest"]:
         why = fingerprint.diff(meta.get("fingerprint"), fp)
         dest = set_aside(run_dir, point_id, when)
-        log(f"point {point_id}: not measured with these settings on this machine ({why}); "
-            f"previous result moved to {dest}, measuring again")
+        log.warning(f"point {point_id}: not measured with these settings on this machine "
+                    f"({why}); previous result moved to {dest}, measuring again")
         return True
     return meta["status"] != "ok" and retry_failed

@@ -191,8 +191,10 @@ def header_html(run_dir: Path, failure: dict | None = None) -> str:
         c = f"c = {prof.draft_cost:g}, the profile's draft_cost" if prof else "c: draft cost"
         parts += ["<h2>Points</h2>", table,
                   f"<p style='font-size:90%'>{html.escape(summary.AL_METHOD)}; '(engine)': the "
-                  "engine's counters, no CI. speedup: throughput over the plain point of the "
-                  "same configuration (one timed pass each, no CI). ideal: AL/(1+k·c), "
+                  "engine's counters, no CI. tok/s: mean over the timing rounds, 95% t-interval. "
+                  "speedup: over the plain point of the same configuration, the geometric mean "
+                  "of the per-round ratios with a 95% t-interval on their logs (rounds: the "
+                  "pairs; one round, no CI). ideal: AL/(1+k·c), "
                   f"{html.escape(c)}. parity: fraction of prompts whose greedy output equals "
                   "plain decoding's, Wilson 95% CI. Table: summary.parquet / summary.csv in "
                   "the run folder.</p>"]

@@ -11,6 +11,8 @@ import sys
 import time
 from pathlib import Path
 
+from speclab import progress
+
 
 def _value(text: str):
     """A parameter value as papermill's -p reads it, plus YAML/JSON lists and mappings:
@@ -134,7 +136,7 @@ def _levels(text: str) -> list[int]:
 def cmd_sweep(a) -> int:
     import fnmatch
 
-    from speclab import parity, profiles, server, store, sweep
+    from speclab import parity, preflight, profiles, server, store, sweep
 
     over = _override(a.override) or {}
     if a.executor:
@@ -145,7 +147,7 @@ def cmd_sweep(a) -> int:
     if a.mode == "server" and prof.executor != "local":
         raise ValueError("server mode runs on this machine only (--executor local)")
     levels = _levels(a.concurrency) if a.mode == "server" else []
-    problems = profiles.check_env(prof)
+    problems = preflight.check_env(prof)
     if problems:
         raise profiles.ProfileError("\n".join(problems))
     points = profiles.expand(prof)
@@ -172,7 +174,7 @@ def cmd_sweep(a) -> int:
 
 
 def cmd_profile(a) -> int:
-    from speclab import engine, memory, profiles, releases
+    from speclab import engine, memory, preflight, profiles, releases
 
     if a.action == "list":
         print("\n".join(profiles.available()))
@@ -195,11 +197,10 @@ def cmd_profile(a) -> int:
         print(f"  memory {est.point}: {est.line()}")
     for note in dict.fromkeys(n for e in ests for n in e.notes):
         print(f"  memory from {note}")
-    problems = profiles.check_env(prof) + [f"{e.point}: does not fit in memory" for e in ests
-                                           if e.verdict == "does not fit"]
+    problems = preflight.check_env(prof) + preflight.memory_problems(ests)
     for msg in problems:
         print(f"  not runnable here: {msg}")
-    if warning := releases.horizon(profiles.installed_vllm()):
+    if warning := releases.horizon(preflight.installed_vllm()):
         print(f"  warning: {warning}")
     return 1 if problems and a.strict else 0
 
@@ -246,9 +247,8 @@ def cmd_predict(a) -> int:
 
 
 def cmd_fixtures(a) -> int:
-    from speclab import fixtures, progress
+    from speclab import fixtures
 
-    progress.log_to_stdout()  # the build's steps (training loss, times)
     cache = Path(a.cache) if a.cache else None
     names = a.names or [n for n, fx in fixtures.FIXTURES.items() if fx.by_default]
     if a.action == "list":
@@ -411,6 +411,7 @@ def main(argv: list[str] | None = None) -> int:
     from speclab.runlock import RunLocked
 
     a = build_parser().parse_args(argv)
+    progress.log_to_stdout()  # the package's progress lines (sweeps, fixture builds, ...)
     # SIGTERM unwinds like Ctrl-C, so worker processes and servers are stopped on the way out
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:

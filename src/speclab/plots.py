@@ -109,8 +109,8 @@ def al_and_speed_vs_k(acc: pd.DataFrame, speed: pd.DataFrame, draft_cost: float,
             title="Acceptance length (bonus token incl.)")
     ax1.legend(fontsize=8)
     _footer(fig, "AL error bars: 95% percentile bootstrap CI over requests (N = "
-            f"{_n_text(acc.get('n_requests'))} per point); throughput: one timed pass "
-            "per point, no error bar")
+            f"{_n_text(acc.get('n_requests'))} per point); throughput: mean over the timing "
+            "rounds, error bars 95% t-interval (none with one round)")
     plain = sp[sp.k == 0] if len(sp) else sp
     spec = sp[sp.k > 0] if len(sp) else sp
     series = _series(spec.sort_values("k")) if len(spec) else []
@@ -120,6 +120,10 @@ def al_and_speed_vs_k(acc: pd.DataFrame, speed: pd.DataFrame, draft_cost: float,
         line = ax2.plot([0 + dx, *(g.k + dx)], [b, *g.throughput_tok_s],
                         marker=MARKERS[i % len(MARKERS)], ls=LINESTYLES[i % len(LINESTYLES)],
                         label=f"measured {label}".strip())[0]
+        if "tput_lo" in g and g.tput_lo.notna().any():
+            ax2.errorbar(g.k + dx, g.throughput_tok_s, fmt="none", capsize=3,
+                         ecolor=line.get_color(), yerr=[g.throughput_tok_s - g.tput_lo,
+                                                        g.tput_hi - g.throughput_tok_s])
         bound = [b * metrics.ideal_speedup(al, k, draft_cost)
                  for al, k in zip(g.mean_acceptance_length, g.k)]
         ax2.plot(g.k, bound, ls=":", marker="x", c=line.get_color(),

@@ -219,3 +219,21 @@ def test_a_32_kv_head_draft_gets_the_kv_cache_its_pages_need():
     assert G.Engine(4, 3).kv_bytes == G.Engine(4, 0, draft_kv_group=1).kv_bytes == G.KV_BYTES
     groups = G.pack_groups(G.oracle_diag_plan(), {4: 17.0}, 130.0, 2.5)
     assert [len(g) for g in groups] == [5, 1]  # 4 x 21.5 + 2 x 23.5 GiB exceed 130
+
+
+def test_mhc_warm_sizes_cover_every_split_variant():
+    sizes = G.mhc_warm_sizes()
+    variants = {(G.mhc_splits(n, 64), G.mhc_splits(n, 16)) for n in range(1, G.MAX_BATCHED + 1)}
+    assert {(G.mhc_splits(n, 64), G.mhc_splits(n, 16)) for n in sizes} == variants
+    assert len(sizes) == len(variants) and max(sizes) <= G.MAX_BATCHED
+    # the step sizes seen compiling on the H200 (2026-12-03) are among the variants
+    assert G.mhc_splits(768, 64) == 11 and G.mhc_splits(4096, 64) == 2
+
+
+def test_a_failed_warm_up_does_not_stop_the_driver(tmp_path, fake_pair):
+    state = tmp_path / "state"
+    assert G.drive(state, time.time() + 900, "smoke", 1, paths=fake_pair, warm_procs=2) == 0
+    log = (state / "driver.log").read_text()
+    assert "mHC warm-up: exit codes [1, 1]" in log  # the stand-in vLLM has no mHC kernels
+    assert "No module named" in (state / "logs" / "warm0.log").read_text()
+    assert len(G.read_jsonl(state / "results.jsonl")) > 0

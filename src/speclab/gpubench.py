@@ -302,6 +302,77 @@ def worker(spec: dict, out_fd: int) -> int:
     return 0
 
 
+# --------------------------------------------------------------------------- mHC warm-up
+SMS = 132  # streaming multiprocessors of an H100 / H200
+
+
+def mhc_splits(n: int, block_k_cap: int) -> int:
+    """vLLM 0.26's split-K factor of an mHC pre kernel for `n` tokens (`kernels/mhc/
+    tilelang_kernels.py`: `compute_num_split`, 64-token blocks); `block_k_cap` is its cap
+    (K / 64 / 4: 64 for the hyper-connection GEMM over hc_mult x 4096, 16 for the first
+    layer's broadcast one over 4096)."""
+    return max(1, min(SMS // -(-n // 64), block_k_cap))
+
+
+def mhc_warm_sizes(budget: int = MAX_BATCHED) -> list[int]:
+    """One token count for each split-K variant either mHC pre kernel can take with at most
+    `budget` tokens a step: each compiles on first use (vLLM 0.26's warm-up skips this
+    model), 13-87 s each on the H200."""
+    seen, out = set(), []
+    for n in range(64, budget + 1, 64):
+        key = (mhc_splits(n, 64), mhc_splits(n, 16))
+        if key not in seen:
+            seen.add(key)
+            out.append(n)
+    return out
+
+
+def warm(config: dict, sizes: list[int]) -> int:
+    """Compile DeepSeek-V4's mHC pre kernels (first-layer broadcast and later-layer) for
+    `sizes` tokens with the model's constants, so the JIT caches hold them before any engine
+    starts."""
+    import torch
+    from vllm.model_executor.kernels.mhc.tilelang import (
+        mhc_pre_broadcast_tilelang,
+        mhc_pre_tilelang,
+    )
+
+    hidden, hc, eps = config["hidden_size"], config["hc_mult"], config["rms_norm_eps"]
+    consts = (eps, config["hc_eps"], config["hc_eps"], 2.0, config["hc_sinkhorn_iters"])
+    mix = (2 + hc) * hc
+    fn = torch.randn(mix, hc * hidden, device="cuda") * 1e-3
+    scale, base = torch.ones(3, device="cuda"), torch.zeros(mix, device="cuda")
+    norm = torch.ones(hidden, dtype=torch.bfloat16, device="cuda")
+    for n in sizes:
+        t0 = time.time()
+        x = torch.randn(n, hidden, dtype=torch.bfloat16, device="cuda")
+        res = mhc_pre_broadcast_tilelang(x, fn, scale, base, *consts, norm_weight=norm,
+                                         norm_eps=eps, fn_broadcast=fn.view(mix, hc, hidden)
+                                         .sum(1))[0]
+        mhc_pre_tilelang(res, fn, scale, base, *consts, norm_weight=norm, norm_eps=eps)
+        torch.cuda.synchronize()
+        print(f"warm {n} tokens: {time.time() - t0:.1f} s", flush=True)
+    return 0
+
+
+def start_warm(state: Path, procs: int = 8) -> list[subprocess.Popen]:
+    """`procs` processes compiling the mHC variants (`mhc_warm_sizes`) side by side."""
+    from speclab import launch
+    from speclab.fixtures import realshape
+
+    cfg = json.dumps(realshape.realshape_config(4))
+    sizes = mhc_warm_sizes()
+    (state / "logs").mkdir(parents=True, exist_ok=True)
+    out = []
+    for i in range(procs):
+        part = ",".join(map(str, sizes[i::procs]))
+        if part:
+            with open(state / "logs" / f"warm{i}.log", "a") as fh:
+                out.append(launch.start([sys.executable, "-m", "speclab.gpubench", "warm", cfg,
+                                         part], fh, dict(os.environ)))
+    return out
+
+
 # --------------------------------------------------------------------------- driver
 LOG = logging.getLogger("speclab.gpubench")
 
@@ -450,25 +521,40 @@ def index_gib(target: str) -> float:
 
 
 def drive(state: Path, deadline: float, plan_name: str, rounds: int,
-          paths: dict | None = None) -> int:
+          paths: dict | None = None, warm_procs: int = 0) -> int:
     """Run the plan's engines (module doc) until done or `deadline`; `paths`: {Engine.fixture:
     (target, draft)} instead of building the fixtures."""
     state.mkdir(parents=True, exist_ok=True)
     with open(state / "driver.log", "a") as fh:
         handlers = _log_to(fh)
         try:
-            return _drive(state, deadline, plan_name, rounds, paths, fh)
+            return _drive(state, deadline, plan_name, rounds, paths, fh, warm_procs)
         finally:
             for h in handlers:
                 LOG.removeHandler(h)
 
 
-def _drive(state: Path, deadline: float, plan_name: str, rounds: int, paths, fh) -> int:
+def _drive(state: Path, deadline: float, plan_name: str, rounds: int, paths, fh,
+           warm_procs: int) -> int:
     plan = PLANS[plan_name]()
     results = state / "results.jsonl"
     engines_file = state / "engines.jsonl"
     done = {(r["engine"], r["op"], r["round"], r["B"]) for r in read_jsonl(results)}
+    warming = start_warm(state, warm_procs) if warm_procs else []
     paths = paths or build_fixtures(plan, fh)
+    if warming:
+        t0 = time.time()
+        for p in warming:
+            try:
+                p.wait(timeout=max(1, min(deadline - 300, t0 + 600) - time.time()))
+            except subprocess.TimeoutExpired:
+                pass
+        from speclab import launch
+
+        for p in warming:
+            launch.stop(p)
+        LOG.info(f"mHC warm-up: exit codes {[p.returncode for p in warming]} "
+                 f"({time.time() - t0:.0f} s after the fixtures; logs/warm*.log)")
     weights = {e.layers: index_gib(paths[e.fixture][0]) + draft_gib(paths[e.fixture][1])
                for e in plan}  # planned as if every engine loads a draft
     total, used = gpu_memory()
@@ -560,13 +646,20 @@ def main(argv=None) -> int:
     d.add_argument("--deadline", type=float, required=True, help="epoch seconds")
     d.add_argument("--plan", default="timing-eagle31", choices=sorted(PLANS))
     d.add_argument("--rounds", type=int, default=ROUNDS)
+    d.add_argument("--warm", type=int, default=0, metavar="PROCS",
+                   help="compile the mHC kernel variants first in PROCS processes")
+    m = sub.add_parser("warm")
+    m.add_argument("config")
+    m.add_argument("sizes")
     w = sub.add_parser("worker")
     w.add_argument("spec")
     w.add_argument("fd", type=int)
     a = ap.parse_args(argv)
     if a.cmd == "worker":
         return worker(json.loads(a.spec), a.fd)
-    return drive(a.state, a.deadline, a.plan, a.rounds)
+    if a.cmd == "warm":
+        return warm(json.loads(a.config), [int(n) for n in a.sizes.split(",")])
+    return drive(a.state, a.deadline, a.plan, a.rounds, warm_procs=a.warm)
 
 
 if __name__ == "__main__":

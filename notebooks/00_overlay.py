@@ -31,7 +31,7 @@ execute = True
 import pandas as pd
 from IPython.display import display
 
-from speclab import engine, notebook, overlay, profiles
+from speclab import engine, notebook, overlay, preflight
 from speclab.notebook import record
 
 run_dir, figures_dir = notebook.folders(profile, run_dir, figures_dir)
@@ -44,7 +44,7 @@ status = overlay.status()
 print(overlay.format_status(status))
 
 # %%
-problems = profiles.check_env(prof) if execute else []
+problems = preflight.check_env(prof) if execute else []
 print("\n".join(problems) or f"profile {prof.name} can run here")
 
 # %%

@@ -40,6 +40,9 @@ from IPython.display import display
 
 from speclab import analysis, notebook, parity, plots, provenance, server, store, summary, sweep
 from speclab.notebook import record
+from speclab.progress import log_to_stdout
+
+log_to_stdout()  # progress as [speclab] lines (`speclab run` forwards them)
 
 run_dir, figures_dir = notebook.folders(profile, run_dir, figures_dir)
 prof = notebook.profile_for(run_dir, profile, overrides, execute)

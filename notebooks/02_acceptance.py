@@ -33,8 +33,12 @@ formats = None
 # %%
 from IPython.display import display
 
-from speclab import analysis, convention, notebook, plots, provenance, store, summary, sweep
+from speclab import (analysis, convention_compare, notebook, plots, provenance, store, summary,
+                     sweep)
 from speclab.notebook import record
+from speclab.progress import log_to_stdout
+
+log_to_stdout()  # progress as [speclab] lines (`speclab run` forwards them)
 
 run_dir, figures_dir = notebook.folders(profile, run_dir, figures_dir)
 prof = notebook.profile_for(run_dir, profile, overrides, execute)
@@ -78,10 +82,11 @@ if len(cat):
 # convention the draft was trained with is the one with clearly higher acceptance.
 
 # %%
-conv = convention.by_convention(pts, recs[recs.point_id.isin(acc.point_id)])
-conv_found = convention.findings(conv)
+conv = convention_compare.by_convention(pts, recs[recs.point_id.isin(acc.point_id)])
+conv_found = convention_compare.findings(conv)
 if conv.convention.nunique() > 1:
-    fig = convention.plot(conv, title=f"{prof.name}: acceptance per aux-layer convention")
+    fig = convention_compare.plot(
+        conv, title=f"{prof.name}: acceptance per aux-layer convention")
     plots.save(fig, figures_dir, "aux_convention")
     display(conv[["point_id", "convention", "applied", "effective_capture_after_layers",
                   "position", "unconditional", "u_lo", "u_hi"]].round(3))

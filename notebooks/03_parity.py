@@ -58,6 +58,9 @@ from IPython.display import Markdown, display
 from speclab import multipass, notebook, parity, plots, provenance, store, summary, sweep
 from speclab.notebook import record
 from speclab.profiles import REPO
+from speclab.progress import log_to_stdout
+
+log_to_stdout()  # progress as [speclab] lines (`speclab run` forwards them)
 
 run_dir, figures_dir = notebook.folders(profile, run_dir, figures_dir)
 prof = notebook.profile_for(run_dir, profile, overrides, execute)

@@ -51,12 +51,12 @@ def test_unknown_profile_lists_the_shipped_ones(capsys):
 
 
 def test_profile_check_warns_when_vllm_is_newer_than_the_matrix(monkeypatch, capsys):
-    from speclab import profiles, vllm_matrix
+    from speclab import preflight, vllm_matrix
 
-    monkeypatch.setattr(profiles, "installed_vllm", lambda: "0.35.0")
+    monkeypatch.setattr(preflight, "installed_vllm", lambda: "0.35.0")
     cli.main(["profile", "check", "tiny-cpu"])
     assert f"  warning: {vllm_matrix.horizon('0.35.0')}" in capsys.readouterr().out
-    monkeypatch.setattr(profiles, "installed_vllm", lambda: vllm_matrix.RELEASES[-1])
+    monkeypatch.setattr(preflight, "installed_vllm", lambda: vllm_matrix.RELEASES[-1])
     cli.main(["profile", "check", "tiny-cpu"])
     assert "warning:" not in capsys.readouterr().out
 

@@ -7,11 +7,12 @@ import subprocess
 import sys
 
 import numpy as np
-import pandas as pd
 import pytest
 import yaml
+from fake_requests import requests
 
-from speclab import convention, engine, explorer, parity, profiles, report, store, sweep
+from speclab import (convention, convention_compare, engine, explorer, parity, preflight, profiles,
+                     report, store, sweep)
 from speclab.profiles import REPO, ProfileError
 
 EAGLE31 = {"architectures": ["LlamaForCausalLMEagle3"],
@@ -124,7 +125,7 @@ def test_out_of_range_capture_is_a_clear_error_before_any_model_loads(tmp_path):
     assert convention.env_problems(ok, env={}) == []
     bad = profiles.load(write(sub(tmp_path, "x"),
                               small, draft, grid={"aux_layer_convention": ["output", "input"]}))
-    problems = profiles.check_env(bad)
+    problems = preflight.check_env(bad)
     assert any(p.startswith("aux_layer_convention=output:") and "[5] not in 1..4" in p
                for p in problems), problems
     assert not any("aux_layer_convention=input" in p for p in problems)
@@ -179,38 +180,38 @@ def fake_run(tmp_path, rates: dict[str, list[float]], applied=True, n=40, k=3, s
                          "accepted_per_pos": list(app), "prompt_id": f"p{r}"})
         store.write_point(run, store.PointResult(
             point_id=pid, status="ok", aux_convention=res,
-            point={"k": k, "aux_layer_convention": conv}), pd.DataFrame(rows))
+            point={"k": k, "aux_layer_convention": conv}), requests(rows))
     return run
 
 
 def test_side_by_side_names_the_winner(tmp_path):
     run = fake_run(tmp_path, {"output": [0.6, 0.6, 0.6], "input": [0.1, 0.5, 0.5]})
-    table = convention.by_convention(*store.load_results(run), n_boot=200)
+    table = convention_compare.by_convention(*store.load_results(run), n_boot=200)
     assert set(table.convention) == {"output", "input"} and len(table) == 6
     assert {"u_lo", "u_hi", "c_lo", "c_hi", "effective_capture_after_layers"} <= set(table)
     out = table[(table.convention == "output") & (table.position == 0)].iloc[0]
     assert out.effective_capture_after_layers == [2, 22, 41]
-    found = convention.findings(table)
+    found = convention_compare.findings(table)
     assert found["winner"] == "output" and "`output`" in found["text"]
-    assert convention.plot(table).axes
+    assert convention_compare.plot(table).axes
 
 
 def test_overlapping_cis_are_no_clear_winner(tmp_path):
     run = fake_run(tmp_path, {"output": [0.5, 0.5, 0.5], "input": [0.5, 0.5, 0.5]})
-    found = convention.findings(convention.by_convention(*store.load_results(run), n_boot=200))
+    found = convention_compare.findings(convention_compare.by_convention(*store.load_results(run), n_boot=200))
     assert found["winner"] is None and found["text"].startswith("no clear winner")
 
 
 def test_not_applied_never_names_a_winner(tmp_path):
     run = fake_run(tmp_path, {"output": [0.6, 0.6, 0.6], "input": [0.1, 0.1, 0.1]},
                    applied=False)
-    found = convention.findings(convention.by_convention(*store.load_results(run), n_boot=200))
+    found = convention_compare.findings(convention_compare.by_convention(*store.load_results(run), n_boot=200))
     assert found["winner"] is None and "not applied" in found["text"]
 
 
 def test_one_convention_has_nothing_to_compare(tmp_path):
     run = fake_run(tmp_path, {"output": [0.6, 0.6, 0.6]})
-    found = convention.findings(convention.by_convention(*store.load_results(run), n_boot=200))
+    found = convention_compare.findings(convention_compare.by_convention(*store.load_results(run), n_boot=200))
     assert found["winner"] is None and "nothing to compare" in found["text"]
 
 
@@ -244,7 +245,7 @@ def test_cpu_engine_records_the_convention_it_cannot_apply(tmp_path, fixture_cac
     os.environ["SPECLAB_CACHE"] = str(fixture_cache.parent)
     prof = profiles.load(p)
     run = tmp_path / "run"
-    metas = sweep.run(prof, run, progress=False)
+    metas = sweep.run(prof, run)
     assert [m["status"] for m in metas] == ["ok", "ok"], [m.get("error") for m in metas]
     for m in metas:
         res = m["aux_convention"]
@@ -254,7 +255,7 @@ def test_cpu_engine_records_the_convention_it_cannot_apply(tmp_path, fixture_cac
         log = (run / "logs" / f"{m['point_id']}.log").read_text()
         assert convention.log_line(res) in log
     assert metas[0]["counters"] == metas[1]["counters"]
-    found = convention.findings(convention.by_convention(*store.load_results(run), n_boot=100))
+    found = convention_compare.findings(convention_compare.by_convention(*store.load_results(run), n_boot=100))
     assert found["winner"] is None and "not applied" in found["text"]
 
 
@@ -280,8 +281,8 @@ def test_the_layer_rigs_expectations_name_output_the_winner(tmp_path):
                 for pid, c in zip(expected["prompt_ids"], exp["counters"]["per_prompt"])]
         store.write_point(run, store.PointResult(
             point_id=point.id, status="ok", aux_convention=res,
-            point=point.model_dump(mode="json")), pd.DataFrame(rows))
-    table = convention.by_convention(*store.load_results(run), n_boot=200)
+            point=point.model_dump(mode="json")), requests(rows))
+    table = convention_compare.by_convention(*store.load_results(run), n_boot=200)
     first = table[table.position == 0].set_index("convention").unconditional
     assert first["output"] == 1.0 and first["input"] == 0.0
-    assert convention.findings(table)["winner"] == "output"
+    assert convention_compare.findings(table)["winner"] == "output"

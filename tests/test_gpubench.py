@@ -66,12 +66,51 @@ def test_drive_starts_nothing_past_its_deadline(tmp_path, fake_pair):
     assert "not starting" in (state / "driver.log").read_text()
 
 
-def test_groups_pack_by_memory_and_configuration():
-    plan = G.chunked_plan()
+def test_groups_pack_by_memory_and_layer_count():
+    plan = G.timing_plan("drafteager")
     groups = G.pack_groups(plan, {4: 17.0, 8: 30.3}, 130.0, 2.5)
-    assert [len(g) for g in groups] == [6, 3, 3, 2]
-    assert all(len({(e.layers, e.eager) for e in g}) == 1 for g in groups)
+    assert [[e.name for e in g] for g in groups] == [
+        ["L4-k0-graphs", *(f"L4-k{k}-graphs-drafteager" for k in range(1, 6))],
+        ["L8-k0-graphs", "L8-k1-graphs-drafteager", "L8-k3-graphs-drafteager"],
+        ["L4-k0-eager", "L4-k3-eager-drafteager", "L4-k3-graphs"]]
     assert G.verify_batches((1, 4), (1, 3)) == (2, 8, 16)
+    # the plain engines time every verify step of k = 1..5 at B = 1, 4, 16
+    assert set(plan[0].extra_batches) | set(plan[0].batches) >= {
+        b * (k + 1) for b in (1, 4, 16) for k in range(6)}
+
+
+def test_timing_variants_set_the_draft_and_keep_plain_alike():
+    names = [e.name for e in G.timing_plan("eagle31")]
+    assert len(names) == len(set(names)) == 11  # the EAGLE3.1 graphs k = 3 engine once
+    fa = G.timing_plan("fasplits0")
+    assert all(e.fa_splits == 0 for e in fa if e.name != "L4-k3-graphs")  # plain too
+    assert all(e.draft_eager == (e.k > 0) for e in G.timing_plan("drafteager")
+               if e.name != "L4-k3-graphs")
+    assert set(G.PLANS) >= {f"timing-{v}" for v in G.DRAFT_VARIANTS}
+
+
+def test_prompt_lengths_prefill_in_one_warmed_step():
+    for B in (1, 2, 3, 4, 5, 6, 8, 12, 16, 20, 24, 32, 48, 64, 80, 96):
+        n = G.prompt_lengths(B)
+        total = sum(n)
+        assert len(n) == B and max(n) - min(n) <= 1 and max(n) <= G.PROMPT_LEN
+        assert total & (total - 1) == 0 and total <= G.MAX_BATCHED  # a power of two
+        assert 2 * total > min(B * G.PROMPT_LEN, G.MAX_BATCHED)  # the largest such
+    assert G.prompt_lengths(3) == [171, 171, 170]
+    assert G.prompt_lengths(16) == [256] * 16
+    with pytest.raises(ValueError, match="does not fit"):
+        G.prompt_lengths(8192)
+
+
+def test_batch_prompts_keep_the_oracle_in_the_draft_vocabulary():
+    from speclab.fixtures import realshape
+
+    for B in (3, 96):
+        prompts = G.batch_prompts(B, seed=7, k=5)
+        assert [len(p) for p in prompts] == G.prompt_lengths(B)
+        full = realshape.prompt_ids(B, max(map(len, prompts)), seed=7,
+                                    max_tokens=G.MAX_TOKENS, k=5)
+        assert [p[-1] for p in prompts] == [f[-1] for f in full]
 
 
 def test_engine_args_capture_every_verify_step():
@@ -142,6 +181,59 @@ def test_log_facts_keep_what_ran():
 
 def test_oracle_diag_plan_separates_kv_grouping_and_graphs():
     plan = G.oracle_diag_plan()
-    assert [e.name for e in plan] == ["L4-k0-graphs", "L4-k3-graphs", "L4-k3-graphs-kvg1",
-                                      "L4-k3-eager", "L4-k3-eager-kvg1"]
+    assert [e.name for e in plan] == ["L4-k3-graphs", "L4-k3-eager", "L4-k3-graphs-kvg1",
+                                      "L4-k3-eager-kvg1", "L4-k3-graphs-drafteager",
+                                      "L4-k3-graphs-fasplits0"]
     assert {e.fixture for e in plan} == {(4, "fp4", 4), (4, "fp4", 1)}
+
+
+def test_oracle_diag_arms_set_draft_eager_and_fa_splits():
+    eager_draft, heuristic_splits = G.oracle_diag_plan()[-2:]
+    a = G.engine_args(eager_draft, "t", "d", 1 << 30, 0.1)
+    assert a["speculative_config"]["enforce_eager"] is True and not a["enforce_eager"]
+    assert "attention_config" not in a
+    b = G.engine_args(heuristic_splits, "t", "d", 1 << 30, 0.1)
+    assert b["attention_config"] == {"flash_attn_max_num_splits_for_cuda_graph": 0}
+    assert "enforce_eager" not in b["speculative_config"]
+
+
+def test_jit_lines_count_every_tilelang_variant():
+    # lines as vLLM 0.26 wrote them on the H200 (2026-12-03): the jit_monitor warns once per
+    # kernel name; TileLang logs every compile, also of a name already warned about
+    log = ("(EngineCore pid=6797) WARNING 12-03 18:01:57 [jit_monitor.py:135] TileLang JIT "
+           "compilation during inference: mhc_pre_big_fuse_broadcast_with_norm_tilelang. This "
+           "causes a latency spike\n"
+           "(EngineCore pid=6797) 2026-12-03 18:10:25  [TileLang:tilelang.jit.kernel:INFO] "
+           "(kernel.py:133): TileLang begins to compile kernel `mhc_pre_big_fuse_with_norm_"
+           "tilelang` with `out_idx=None`\n"
+           "(EngineCore pid=6797) 2026-12-03 18:10:38  [TileLang:tilelang.jit.kernel:INFO] "
+           "(kernel.py:141): TileLang completes to compile kernel `mhc_pre_big_fuse_with_norm_"
+           "tilelang`\n")
+    assert sorted(set(G.JIT_LINE.findall(log))) == [
+        "mhc_pre_big_fuse_broadcast_with_norm_tilelang", "mhc_pre_big_fuse_with_norm_tilelang"]
+    assert G.JIT_LINE.findall(log.splitlines()[2]) == []  # a finished compile is not a new one
+
+
+def test_a_32_kv_head_draft_gets_the_kv_cache_its_pages_need():
+    assert G.Engine(4, 3, draft_kv_group=1).kv_bytes == 2 * G.KV_BYTES
+    assert G.Engine(4, 3).kv_bytes == G.Engine(4, 0, draft_kv_group=1).kv_bytes == G.KV_BYTES
+    groups = G.pack_groups(G.oracle_diag_plan(), {4: 17.0}, 130.0, 2.5)
+    assert [len(g) for g in groups] == [5, 1]  # 4 x 21.5 + 2 x 23.5 GiB exceed 130
+
+
+def test_mhc_warm_sizes_cover_every_split_variant():
+    sizes = G.mhc_warm_sizes()
+    variants = {(G.mhc_splits(n, 64), G.mhc_splits(n, 16)) for n in range(1, G.MAX_BATCHED + 1)}
+    assert {(G.mhc_splits(n, 64), G.mhc_splits(n, 16)) for n in sizes} == variants
+    assert len(sizes) == len(variants) and max(sizes) <= G.MAX_BATCHED
+    # the step sizes seen compiling on the H200 (2026-12-03) are among the variants
+    assert G.mhc_splits(768, 64) == 11 and G.mhc_splits(4096, 64) == 2
+
+
+def test_a_failed_warm_up_does_not_stop_the_driver(tmp_path, fake_pair):
+    state = tmp_path / "state"
+    assert G.drive(state, time.time() + 900, "smoke", 1, paths=fake_pair, warm_procs=2) == 0
+    log = (state / "driver.log").read_text()
+    assert "mHC warm-up: exit codes [1, 1]" in log  # the stand-in vLLM has no mHC kernels
+    assert "No module named" in (state / "logs" / "warm0.log").read_text()
+    assert len(G.read_jsonl(state / "results.jsonl")) > 0

@@ -12,9 +12,9 @@ import json
 import math
 from pathlib import Path
 
-import pandas as pd
 import pytest
 import torch
+from fake_requests import requests
 
 from speclab import layerrig as LR
 from speclab import store
@@ -215,11 +215,11 @@ def test_check_run_compares_counters_and_outputs(tmp_path):
     def write(accepted, total=4, first_out_offset=1):
         # per request: the final round is missing (vLLM's per-request stats)
         ids = expected["prompt_ids"][::-1]
-        records = pd.DataFrame({
-            "prompt_id": ids, "drafts": [1, 2],
-            "accepted_per_pos": [[a, 0, 0] for a in accepted[::-1]],
-            "output_token_ids": [list(range(last[i] + first_out_offset,
-                                            last[i] + first_out_offset + 4)) for i in ids]})
+        records = requests([{
+            "point_id": "k3_x", "k": 3, "prompt_id": i, "drafts": d,
+            "accepted_per_pos": [a, 0, 0], "output_token_ids": list(range(
+                last[i] + first_out_offset, last[i] + first_out_offset + 4))}
+            for i, d, a in zip(ids, [1, 2], accepted[::-1])])
         store.write_point(tmp_path, store.PointResult(
             point_id="k3_x", status="ok", point={"k": 3}, env={},
             counters={"num_drafts": 4, "accepted_per_pos": [total, 0, 0]}), records)

@@ -63,3 +63,30 @@ def test_only_launch_starts_or_kills_processes():
                 if what in {"Popen", "killpg", "prctl", "_PRCTL"}:
                     calls.setdefault(name, set()).add(what)
     assert set(calls) == {"speclab.launch"}, calls
+
+
+def _layers() -> dict[str, int]:
+    """Module -> its row in docs/architecture.md's layer table (0: leaves)."""
+    rows = [line.split("|")[2] for line in
+            (PKG.parents[1] / "docs" / "architecture.md").read_text().splitlines()
+            if line.startswith("| ") and line.count("|") >= 4 and "`" in line.split("|")[2]]
+    out = {}
+    for i, cell in enumerate(rows):
+        for name in cell.split("`")[1::2]:
+            out["speclab." + name.rstrip("/")] = i
+    return out
+
+
+def test_imports_run_down_the_layer_table():
+    layer = _layers()
+    mods = _modules()
+    listed = {m for m in mods if m.count(".") == 1 or m == "speclab.fixtures"}
+    assert listed - {"speclab.__main__"} <= set(layer), "a module missing from the table"
+    against = []
+    for m, tree in mods.items():
+        src = m if m in layer else "speclab.fixtures" if m.startswith("speclab.fixtures") else None
+        for n in _imports(m, tree, set(mods)):
+            dst = "speclab.fixtures" if n.startswith("speclab.fixtures") else n
+            if src in layer and dst in layer and layer[dst] > layer[src]:
+                against.append(f"{m} -> {n}")
+    assert not against, against

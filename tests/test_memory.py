@@ -125,7 +125,7 @@ def test_sweep_refuses_a_point_that_cannot_fit_before_starting_a_worker(tmp_path
     prof = profile(checkpoint(tmp_path / "ckpt", 168.3e9), gpu_memory_utilization=0.9)
     monkeypatch.setattr(memory, "local_gpu", lambda: "GB10")
     monkeypatch.setattr(launch, "run_point", lambda *a, **k: pytest.fail("worker started"))
-    meta, = sweep.run(prof, tmp_path / "run", progress=False)
+    meta, = sweep.run(prof, tmp_path / "run")
     assert meta["status"] == "error" and meta["error"].startswith("does not fit in memory: ")
     assert store.read_meta(tmp_path / "run", meta["point_id"])["error"] == meta["error"]
 

@@ -217,14 +217,13 @@ def fake_run(run_dir: Path, trained_against: str) -> None:
             (Point(k=2, draft_kv_cache_dtype="auto"), 200, [2, 2], [1, 3, 3], 2),
             (Point(k=2, method="ngram"), 120, [2, 2], [1, 1, 3, 1, 1], 2)):
         m = methods.of(point)
-        recs = pd.DataFrame([{"point_id": point.id, "k": point.k, "method": m,
-                              "kv_cache_dtype": "auto", "draft_kv_cache_dtype":
-                              point.draft_kv_cache_dtype, "layout": "tp1", "prompt_format": "raw",
-                              "repeat": 0, "concurrency": 4, "prompt_id": str(i),
-                              "category": "c", "output_token_ids": [1, 2], "step_tokens": steps,
-                              "drafts": drafts, "draft_tokens": 2 * drafts,
-                              "accepted": sum(app), "accepted_per_pos": app if i % 2 else
-                              [a // 2 for a in app]} for i in range(4)])
+        recs = [store.RequestRecord(
+            point_id=point.id, k=point.k, kv_cache_dtype="auto",
+            draft_kv_cache_dtype=point.draft_kv_cache_dtype, layout="tp1", prompt_format="raw",
+            repeat=0, concurrency=4, prompt_id=str(i), category="c", output_token_ids=[1, 2],
+            n_output=2, step_tokens=steps, step_times=[0.1] * len(steps), drafts=drafts,
+            draft_tokens=2 * drafts, accepted=sum(app),
+            accepted_per_pos=app if i % 2 else [a // 2 for a in app]) for i in range(4)]
         models = {"target": {"ref": "org/t", "revision": None, "loaded": "b" * 40}}
         if m == "eagle3":
             models["draft"] = {"ref": "org/d", "revision": None, "loaded": "c" * 40,
@@ -233,6 +232,7 @@ def fake_run(run_dir: Path, trained_against: str) -> None:
             point_id=point.id, status="ok", point=point.model_dump(mode="json"), n_requests=4,
             output_tokens=8, throughput_tok_s=tok_s, models=models,
             method=None if m is None else {"name": m},
+            request_counters="vllm" if m == "ngram" else "steps" if m else None,
             passes=[{"round": 1, "tok_s": tok_s}, {"round": 2, "tok_s": tok_s * 1.1}]), recs)
 
 

@@ -106,14 +106,14 @@ def test_report_and_figures(suite):
 
 def test_rerender_from_results_runs_no_engine(suite):
     root, _ = suite
-    points = root / "runs" / "smoke" / "points"
-    before = {p.name: p.stat().st_mtime_ns for p in points.iterdir()}
+    run = root / "runs" / "smoke"
+    before = {p.name: p.stat().st_mtime_ns for p in run.glob("[pr]*s/*")}
     fig = root / "figures" / "smoke" / "al_speed_vs_k.png"
     fig.unlink()
     report.run_suite("tiny-cpu", run_id="smoke", notebooks=("01_sweep",),
                      parameters={"overrides": SMOKE, "execute": False},
                      runs_root=root / "runs", figures_root=root / "figures")
     assert fig.exists()
-    assert {p.name: p.stat().st_mtime_ns for p in points.iterdir()} == before
+    assert {p.name: p.stat().st_mtime_ns for p in run.glob("[pr]*s/*")} == before
     assert not math.isnan(records(root, "01_sweep")["acceptance"][
         next(iter(records(root, "01_sweep")["acceptance"]))]["al"])

@@ -3,6 +3,7 @@ import math
 import numpy as np
 import pandas as pd
 import pytest
+from fake_requests import requests
 
 from speclab import parity, store
 from speclab.profiles import Layout, Point, Profile
@@ -156,7 +157,7 @@ def test_findings_print_counts_as_integers_next_to_arms_that_did_not_run():
 def _write_run(d, profile, point_id, recs):
     store.save_profile(profile, d, "t0")
     store.write_point(d, store.PointResult(point_id=point_id, status="ok", point={"k": 0}),
-                      pd.DataFrame(recs))
+                      requests(recs))
 
 
 def test_plain_from_runs_pools_other_runs_of_the_same_target_and_refuses_others(tmp_path):

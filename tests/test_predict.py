@@ -142,3 +142,33 @@ def test_passes_with_jit_during_them_are_not_timings():
     c = predict.step_costs(res)
     assert c[(c.k == 3) & (c.B == 4)].rounds.iloc[0] == 1
     assert c[(c.k == 3) & (c.B == 1)].rounds.iloc[0] == 2
+
+
+def test_stalled_and_impossible_passes_are_not_timings():
+    res = rows(rounds=5)
+    k3 = (res.engine == "L4-k3") & (res.B == 4) & (res.op == "pass")
+    assert predict.step_costs(res).query("k == 3 and B == 4").rounds.iloc[0] == 5  # control
+    stalled = res.index[k3 & (res["round"] == 2)][0]
+    res.at[stalled, "t_full_s"] += 50.0  # a TileLang compile the log did not name
+    negative = res.index[k3 & (res["round"] == 4)][0]
+    res.at[negative, "t_prefill_s"] = res.at[negative, "t_full_s"] + 1.0
+    r = predict.step_costs(res).query("k == 3 and B == 4").iloc[0]
+    assert r.rounds == 3
+    assert r.step_ms == pytest.approx(t_plain(16) + t_draft(3, 4), rel=0.02)
+
+
+def test_draft_settings_are_kept_apart():
+    res = rows(rounds=3)
+    other = res[res.k == 3].copy()  # the same k with another draft setting, twice as slow
+    other["engine"] = "L4-k3-graphs-drafteager"
+    other["t_full_s"] = 0.01 + 2 * (other.t_full_s - 0.01)
+    other.loc[other.op == "split", "calls"] = other.loc[other.op == "split", "calls"].map(
+        lambda cs: [{**c, "ms": 2 * c["ms"]} for c in cs])
+    c = predict.step_costs(pd.concat([res, other], ignore_index=True))
+    k3 = c[(c.k == 3) & (c.B == 4)].set_index("draft")
+    assert set(k3.index) == {"", "drafteager"}
+    assert k3.step_ms["drafteager"] == pytest.approx(2 * k3.step_ms[""], rel=0.03)
+    d = predict.draft_ms(pd.concat([res, other], ignore_index=True))
+    assert set(d.draft) == {"", "drafteager"}
+    v = predict.validate(pd.concat([res, other], ignore_index=True))
+    assert set(v.draft) == {"", "drafteager"}

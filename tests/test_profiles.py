@@ -5,7 +5,7 @@ import sys
 import pytest
 import yaml
 
-from speclab import profiles, sweep
+from speclab import preflight, profiles, sweep
 from speclab.profiles import ProfileError
 
 
@@ -64,16 +64,32 @@ def test_unknown_profile_lists_available():
         profiles.load("no-such-profile")
 
 
+def test_profiles_hold_inputs_and_preflight_the_machine_checks():
+    machine = {"check_env", "installed_vllm", "vllm_kv_dtypes", "visible_gpus", "numa_nodes",
+               "engine_arg_names", "engine_key_problems"}
+    assert not machine & set(vars(profiles)) and machine <= set(vars(preflight))
+
+
+def test_profile_check_prints_what_stops_a_point_and_fails_when_strict(tmp_path, capsys):
+    from speclab import cli
+
+    path = write(tmp_path, backend="cuda", grid={"layout": [{"tp": 4}]})
+    assert cli.main(["profile", "check", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "  not runnable here: needs 4 GPUs" in out and "p.jsonl does not exist" in out
+    assert cli.main(["profile", "check", str(path), "--strict"]) == 1
+
+
 def test_environment_checks(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     prof = profiles.load(write(tmp_path, backend="cuda",
                                grid={"kv_cache_dtype": ["fp9"], "layout": [{"tp": 4, "ep": True}]}))
-    problems = "\n".join(profiles.check_env(prof))
+    problems = "\n".join(preflight.check_env(prof))
     assert "'fp9' is not a KV dtype of vLLM" in problems
     assert "needs 4 GPUs" in problems
     assert "p.jsonl does not exist" in problems
     missing = profiles.load(write(tmp_path, target="/nonexistent/model", draft="org/not-cached"))
-    problems = "\n".join(profiles.check_env(missing))
+    problems = "\n".join(preflight.check_env(missing))
     assert "/nonexistent/model: no such file" in problems
     assert "org/not-cached: not in the local Hugging Face cache" in problems
 

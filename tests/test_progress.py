@@ -21,10 +21,11 @@ def test_durations_read_naturally():
 
 
 def test_sweep_prints_a_line_per_point(tmp_path, monkeypatch, capsys):
-    import pandas as pd
+    from fake_requests import request
 
     from speclab import fingerprint, launch, profiles, store, sweep
 
+    progress.log_to_stdout()
     prof = profiles.load("tiny-cpu", {"grid": {"method": ["eagle3"],
                                                "num_speculative_tokens": [0, 1, 2]},
                                       "timed_passes": 1})
@@ -32,7 +33,7 @@ def test_sweep_prints_a_line_per_point(tmp_path, monkeypatch, capsys):
     done = store.PointResult(  # an earlier run's
         point_id=points[0].id, status="ok", point=points[0].model_dump(mode="json"),
         n_requests=1, fingerprint=fingerprint.of_point(prof, points[0]))
-    store.write_point(tmp_path, done, pd.DataFrame({"request": [0]}))
+    store.write_point(tmp_path, done, [request(points[0].id)])
     monkeypatch.setattr(launch, "prepare_models", lambda *a: None)
     monkeypatch.setattr(launch, "run_point", lambda prof, p, run_dir, fp=None: {
         "point_id": p.id, "status": "ok" if p.k == 1 else "error", "error": "boom", "wall_s": 65})
@@ -46,9 +47,34 @@ def test_sweep_prints_a_line_per_point(tmp_path, monkeypatch, capsys):
     assert lines[2].endswith("; sweep done") and len(lines) == 3
 
 
+def test_progress_and_warnings_are_records_of_the_speclab_logger(tmp_path, monkeypatch):
+    import logging
+
+    from speclab import launch, profiles, sweep
+
+    got = []
+    h = logging.Handler()
+    h.emit = lambda r: got.append((r.name, r.levelname, r.getMessage()))
+    logging.getLogger("speclab").addHandler(h)
+    monkeypatch.setattr(logging.getLogger("speclab"), "level", logging.INFO)
+    prof = profiles.load("tiny-cpu", {"grid": {"num_speculative_tokens": [0]},
+                                      "timed_passes": 1})
+    monkeypatch.setattr(launch, "prepare_models", lambda *a: None)
+    monkeypatch.setattr(launch, "run_point", lambda prof, p, run_dir, fp=None: {
+        "point_id": p.id, "status": "error", "error": "boom", "wall_s": 1})
+    try:
+        sweep.run(prof, tmp_path)
+    finally:
+        logging.getLogger("speclab").removeHandler(h)
+    names = {(n, lvl) for n, lvl, _ in got}
+    assert ("speclab.executors", "INFO") in names and ("speclab.sweep", "WARNING") in names
+    assert any(m.startswith("sweep tiny-cpu: 1/1 ") for _, _, m in got)
+
+
 def test_timing_rounds_announce_themselves(tmp_path, monkeypatch, capsys):
     from speclab import launch, profiles, sweep
 
+    progress.log_to_stdout()
     prof = profiles.load("tiny-cpu", {"grid": {"method": ["eagle3"],
                                                "num_speculative_tokens": [0, 1]},
                                       "timed_passes": 3})
@@ -57,7 +83,7 @@ def test_timing_rounds_announce_themselves(tmp_path, monkeypatch, capsys):
         "point_id": p.id, "status": "ok" if p.k == 0 else "error", "error": "x", "wall_s": 1,
         "passes": [{"round": 1}]})
     rounds = []
-    monkeypatch.setattr(launch, "timing_round", lambda prof, p, run_dir, rnd, log: rounds.append(
+    monkeypatch.setattr(launch, "timing_round", lambda prof, p, run_dir, rnd: rounds.append(
         (p.id, rnd)) or {"point_id": p.id, "status": "ok", "passes": [{}] * rnd})
     sweep.run(prof, tmp_path)
     lines = [x for x in capsys.readouterr().out.splitlines() if "timing round" in x]

@@ -55,7 +55,7 @@ def test_failed_point_keeps_its_error(tmp_path):
     out = {"meta": meta, "scratch": scratch, "node_id": "n1",
            "files": {f"logs/{p.id}.log": b"ValueError: boom\n",
                      f"logs/{p.id}.spec.json": json.dumps({"run_dir": scratch}).encode(),
-                     f"points/{p.id}.json": json.dumps(meta).encode()}}
+                     f"results/{p.id}.json": json.dumps(meta).encode()}}
     got = executor_ray._store(tmp_path, p, out, {"kind": "ray", "node": "n1"}, [])
     on_disk = store.read_meta(tmp_path, p.id)
     assert on_disk == got and on_disk["root_cause"] == "ValueError: boom"
@@ -158,7 +158,7 @@ def test_ray_sweep_on_a_local_cluster(tmp_path, fixture_cache, monkeypatch):
     prof = profiles.load("tiny-cpu", OVER)
     ids = [p.id for p in sweep.expand(prof)]
     local_dir, ray_dir = tmp_path / "local", tmp_path / "ray"
-    sweep.run(prof, local_dir, progress=False)
+    sweep.run(prof, local_dir)
 
     cluster = LocalCluster()
     try:
@@ -173,7 +173,7 @@ def test_ray_sweep_on_a_local_cluster(tmp_path, fixture_cache, monkeypatch):
         driver.send_signal(signal.SIGTERM)
         driver.wait(timeout=120)
         _wait(lambda: not cluster.workers(node2), 60, "workers stopped with the driver")
-        assert not list((ray_dir / "points").glob("*.json"))
+        assert not list((ray_dir / "results").glob("*.json"))
 
         log = tmp_path / "driver.log"
         with open(log, "w") as f:
@@ -209,9 +209,9 @@ def test_ray_sweep_on_a_local_cluster(tmp_path, fixture_cache, monkeypatch):
             assert {k: list(v) for k, v in a.items()} == {k: list(v) for k, v in b.items()}
 
         # finished: a rerun resumes with nothing to do
-        before = {p: p.stat().st_mtime_ns for p in (ray_dir / "points").iterdir()}
+        before = {p: p.stat().st_mtime_ns for p in ray_dir.glob("[pr]*s/*")}
         assert subprocess.run(cmd, env=env, timeout=300, check=False).returncode == 0
-        assert {p: p.stat().st_mtime_ns for p in (ray_dir / "points").iterdir()} == before
+        assert {p: p.stat().st_mtime_ns for p in ray_dir.glob("[pr]*s/*")} == before
     finally:
         cluster.stop()
     assert not cluster.left(), f"left behind: {cluster.left()}"

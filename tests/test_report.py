@@ -29,7 +29,7 @@ def runs(tmp_path):
 
 def test_summary_has_one_row_per_point_and_one_al_definition(runs):
     t = summary.write(runs / "tiny-cpu")
-    metas = list((runs / "tiny-cpu" / "points").glob("*.json"))
+    metas = list((runs / "tiny-cpu" / "results").glob("*.json"))
     back = pd.read_parquet(runs / "tiny-cpu" / "summary.parquet")
     assert len(back) == len(metas) == len(pd.read_csv(runs / "tiny-cpu" / "summary.csv"))
     assert set(back.point_id) == {m.stem for m in metas}
@@ -64,7 +64,8 @@ def test_dial_run_caveats_flag_speedups_above_the_bound(runs):
     assert not any("8.33" in line or "9.84" in line for line in lines)
     assert any("No speedup is reported" in line for line in lines)
     shown = summary.display_table(t)
-    assert shown.loc["k2_kv-fp8_dkv-auto_tp1_raw", "speedup"].endswith("not a speed result")
+    assert shown.loc["k2_kv-fp8_dkv-auto_tp1_raw", "speedup [95% CI]"].endswith(
+        "not a speed result")
 
 
 def test_tiny_cpu_findings_withhold_a_noisy_speedup(runs):
@@ -150,8 +151,9 @@ def _notebook_file(path: Path, *sources: str) -> None:
 def test_failing_notebook_still_writes_a_report(tmp_path, monkeypatch, capsys):
     nbdir = tmp_path / "nbs"
     nbdir.mkdir()
-    _notebook_file(nbdir / "ok.ipynb", "from speclab import progress\n"
-                   "progress.say('step one of ok')")
+    _notebook_file(nbdir / "ok.ipynb", "import logging\nfrom speclab import progress\n"
+                   "progress.log_to_stdout()\n"
+                   "logging.getLogger('speclab.x').info('step one of ok')")
     _notebook_file(nbdir / "bad.ipynb", "print('before')", "1 / 0", "print('never')")
     monkeypatch.setattr(report, "NOTEBOOK_DIR", nbdir)
     from speclab import cli
@@ -229,3 +231,27 @@ def test_noisy_plain_repeats_withhold_the_speedup(runs):
     assert not summary.speed_trusted(t, None)
     assert "speedups are not reported" in " ".join(summary.caveats(t))
     assert any("No speedup is reported" in x for x in summary.findings(t, False))
+
+
+def test_speed_cis_of_the_timing_rounds_reach_the_summary_and_the_findings(tmp_path):
+    from fake_requests import requests
+
+    for k, tok_s in ((0, [100.0, 110.0, 90.0]), (1, [150.0, 160.0, 140.0])):
+        pid = f"k{k}_kv-auto_tp1_raw"
+        passes = [{"round": i + 1, "tok_s": t} for i, t in enumerate(tok_s)]
+        rows = [{"point_id": pid, "k": k, "prompt_id": f"p{i}", "drafts": 4 * k,
+                 "accepted_per_pos": [3] * k} for i in range(4)]
+        store.write_point(tmp_path, store.PointResult(
+            point_id=pid, status="ok", n_requests=4, passes=passes,
+            throughput_tok_s=sum(tok_s) / 3, point={"k": k, "kv_cache_dtype": "auto"}),
+            requests(rows))
+    t = summary.table(tmp_path).set_index("point_id")
+    assert {"tput_lo", "tput_hi", "speedup_lo", "speedup_hi", "n_rounds"} <= set(summary.COLUMNS)
+    k1 = t.loc["k1_kv-auto_tp1_raw"]
+    assert k1.tput_lo < 150 < k1.tput_hi and k1.speedup_lo < k1.speedup < k1.speedup_hi
+    assert k1.n_rounds == 3
+    shown = summary.display_table(t.reset_index())
+    assert shown.loc["k1_kv-auto_tp1_raw", "speedup [95% CI]"] == \
+        f"{k1.speedup:.2f} [{k1.speedup_lo:.2f}, {k1.speedup_hi:.2f}]x"
+    text = " ".join(summary.findings(t.reset_index()))
+    assert "over 3 timing rounds" in text and "one timed pass" not in text

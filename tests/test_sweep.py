@@ -24,7 +24,7 @@ from speclab import profiles, sweep
 from speclab.profiles import Point
 prof = profiles.load(sys.argv[1])
 pts = sweep.expand(prof) + [Point(k=0, engine={"max_model_len": 10 ** 9})]
-sweep.run(prof, sys.argv[2], pts, retry_failed=sys.argv[3] == "retry", progress=False)
+sweep.run(prof, sys.argv[2], pts, retry_failed=sys.argv[3] == "retry")
 """
 
 
@@ -55,7 +55,7 @@ def test_interrupted_sweep_resumes_without_recomputing(rig_profile, tmp_path, fi
     env = {**os.environ, "SPECLAB_CACHE": str(fixture_cache.parent)}
     run_dir = tmp_path / "run"
     proc = _run(rig_profile, run_dir, "retry", env)
-    first = run_dir / "points" / "k0_kv-auto_tp1_raw.json"
+    first = run_dir / "results" / "k0_kv-auto_tp1_raw.json"
     deadline = time.time() + 600
     while not first.exists() and time.time() < deadline and proc.poll() is None:
         time.sleep(0.5)
@@ -63,7 +63,7 @@ def test_interrupted_sweep_resumes_without_recomputing(rig_profile, tmp_path, fi
     os.killpg(proc.pid, 15)  # interrupt mid-sweep (the second point's worker is running)
     proc.wait(timeout=60)
     done = {p.name: (_digest(p), p.stat().st_mtime_ns) for p in (run_dir / "points").glob("k*")}
-    first_metas = {p.name: json.loads(p.read_text()) for p in (run_dir / "points").glob("k*.json")}
+    first_metas = {p.name: json.loads(p.read_text()) for p in (run_dir / "results").glob("k*.json")}
     assert "k0_kv-auto_tp1_raw.parquet" in done
     assert not list((run_dir / "points").glob(".*.parquet.*")), "partial file left behind"
 
@@ -74,10 +74,10 @@ def test_interrupted_sweep_resumes_without_recomputing(rig_profile, tmp_path, fi
         if p.suffix == ".parquet":
             assert (_digest(p), p.stat().st_mtime_ns) == (digest, mtime), name
     for name, meta in first_metas.items():  # the timing round only added its pass
-        now = json.loads((run_dir / "points" / name).read_text())
+        now = json.loads((run_dir / "results" / name).read_text())
         assert now["passes"][0] == meta["passes"][0] and now["started_at"] == meta["started_at"]
     metas = {m["point_id"]: m for m in
-             map(json.loads, map(Path.read_text, (run_dir / "points").glob("[!.]*.json")))}
+             map(json.loads, map(Path.read_text, (run_dir / "results").glob("[!.]*.json")))}
     ids = [p.id for p in sweep.expand(prof)]
     assert all(metas[i]["status"] == "ok" for i in ids)
     # two timed rounds each, the sampling settings and fingerprint recorded

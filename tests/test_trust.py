@@ -5,6 +5,7 @@ Resume by fingerprint, timing rounds, the run-folder lock, damaged files, early 
 server failures and timeouts, Ctrl-C and a killed parent."""
 
 import json
+import logging
 import os
 import signal
 import socket
@@ -12,13 +13,15 @@ import subprocess
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 import pytest
 import yaml
 
-from speclab import analysis, cli, fingerprint, launch, profiles, runlock, server, store, sweep
+from speclab import (analysis, cli, fingerprint, launch, preflight, profiles, runlock, server,
+                     store, sweep)
 from speclab.profiles import REPO, Point
 
 TESTS = Path(__file__).parent
@@ -62,10 +65,22 @@ def starts(log: Path) -> list[str]:
     return log.read_text().splitlines() if log.exists() else []
 
 
-def sweep_run(path, run_dir, overrides=None, **kw):
+@contextmanager
+def warnings_logged():
+    """The `speclab` logger's warnings during the block, as messages."""
     msgs: list[str] = []
-    res = sweep.run(profiles.load(path, overrides), run_dir, progress=False, log=msgs.append,
-                    **kw)
+    h = logging.Handler(logging.WARNING)
+    h.emit = lambda record: msgs.append(record.getMessage())
+    logging.getLogger("speclab").addHandler(h)
+    try:
+        yield msgs
+    finally:
+        logging.getLogger("speclab").removeHandler(h)
+
+
+def sweep_run(path, run_dir, overrides=None, **kw):
+    with warnings_logged() as msgs:
+        res = sweep.run(profiles.load(path, overrides), run_dir, **kw)
     return res, msgs
 
 
@@ -95,7 +110,7 @@ def test_changed_settings_are_measured_again_and_the_old_result_kept(prof_path, 
     run_dir = tmp_path / "run"
     res, msgs = sweep_run(prof_path, run_dir)
     assert [m["status"] for m in res] == ["ok", "ok"] and len(starts(fake)) == 2 and not msgs
-    meta = json.loads((run_dir / "points" / f"{res[0]['point_id']}.json").read_text())
+    meta = json.loads((run_dir / "results" / f"{res[0]['point_id']}.json").read_text())
     assert meta["sampling"]["max_tokens"] == 16 and meta["fingerprint"]["digest"]
 
     sweep_run(prof_path, run_dir)
@@ -112,7 +127,7 @@ def test_changed_settings_are_measured_again_and_the_old_result_kept(prof_path, 
         res, msgs = sweep_run(prof_path, run_dir, overrides)
         assert len(starts(fake)) == n + 2, overrides
         assert len(msgs) == 2 and all(what in m and "measuring again" in m for m in msgs), msgs
-    new = json.loads((run_dir / "points" / f"{res[0]['point_id']}.json").read_text())
+    new = json.loads((run_dir / "results" / f"{res[0]['point_id']}.json").read_text())
     assert new["sampling"]["max_tokens"] == 48 and new["sampling"]["temperature"] == 0.5
     kept = sorted((run_dir / "superseded").glob(f"*/{res[0]['point_id']}.json"))
     assert len(kept) == 4, "every earlier result is kept aside"
@@ -129,7 +144,7 @@ def test_a_point_measured_elsewhere_or_before_fingerprints_is_not_resumed(
     _, msgs = sweep_run(prof_path, run_dir)
     assert len(starts(fake)) == 4 and all("hardware.cpu" in m for m in msgs), msgs
 
-    path = run_dir / "points" / f"{res[0]['point_id']}.json"
+    path = run_dir / "results" / f"{res[0]['point_id']}.json"
     meta = json.loads(path.read_text())
     del meta["fingerprint"]  # as committed before fingerprints existed
     path.write_text(json.dumps(meta))
@@ -159,7 +174,7 @@ def test_make_report_measures_into_its_own_ignored_folder(prof_path, monkeypatch
 def _fake_group(ran: list):
     """Stands in for the multipass child: writes every pass it finds missing, with the
     fingerprint the parent sent."""
-    import pandas as pd
+    from fake_requests import request
 
     def run(spec, run_dir, name, env, timeout):
         ran.append(name)
@@ -169,7 +184,7 @@ def _fake_group(ran: list):
                 store.write_point(run_dir, store.PointResult(
                     point_id=pid, status="ok", point=p, engine_group=spec["name"], pass_index=i,
                     n_requests=1, fingerprint=spec.get("fingerprints", {}).get(pid)),
-                    pd.DataFrame({"x": [1]}))
+                    [request(pid)])
     return run
 
 
@@ -177,14 +192,14 @@ def test_multipass_resume_measures_passes_with_changed_settings_again(prof_path,
                                                                       monkeypatch):
     from speclab import multipass
 
-    run_dir, ran, msgs = tmp_path / "run", [], []
+    run_dir, ran = tmp_path / "run", []
     monkeypatch.setattr(multipass, "_subprocess", _fake_group(ran))
     group = multipass.same_engine_repeats("noise", Point(k=0), 2)
-    multipass.run_groups(profiles.load(prof_path), run_dir, [group], log=msgs.append)
-    multipass.run_groups(profiles.load(prof_path), run_dir, [group], log=msgs.append)
-    assert ran == ["group-noise"] and not msgs, "an unchanged group ran again"
-    multipass.run_groups(profiles.load(prof_path, {"max_tokens": 48}), run_dir, [group],
-                         log=msgs.append)
+    with warnings_logged() as msgs:
+        multipass.run_groups(profiles.load(prof_path), run_dir, [group])
+        multipass.run_groups(profiles.load(prof_path), run_dir, [group])
+        assert ran == ["group-noise"] and not msgs, "an unchanged group ran again"
+        multipass.run_groups(profiles.load(prof_path, {"max_tokens": 48}), run_dir, [group])
     assert ran == ["group-noise"] * 2, "changed settings reused the earlier passes"
     assert len(msgs) == 2 and all("sampling.max_tokens 16 -> 48" in m for m in msgs), msgs
     assert len(list((run_dir / "superseded").glob("*/k0_*.json"))) == 2
@@ -256,7 +271,7 @@ def test_analysis_never_takes_an_unreadable_parquet_as_ok(prof_path, tmp_path, f
     res, _ = sweep_run(prof_path, run_dir)
     rec, _ = store.point_paths(run_dir, res[1]["point_id"])
     _truncate(rec)
-    (run_dir / "points" / "broken.json").write_text("{")
+    (run_dir / "results" / "broken.json").write_text("{")
     with pytest.warns(UserWarning) as caught:
         pts, recs = store.load_results(run_dir)
     text = " ".join(str(w.message) for w in caught)
@@ -294,7 +309,7 @@ def test_second_sweep_refused_then_ctrl_c_stops_cleanly(prof_path, tmp_path, fak
     assert last.startswith("speclab: interrupted; finished points are kept in ") and \
         f"--run-id {run_dir}" in last, err
     assert wait_for(lambda: not processes_naming(str(run_dir)), 10), "a worker outlived Ctrl-C"
-    assert not list((run_dir / "points").glob("*.json")), "an interrupted point was recorded"
+    assert not list((run_dir / "results").glob("*.json")), "an interrupted point was recorded"
     res, _ = sweep_run(prof_path, run_dir)  # the lock is free again
     assert [m["status"] for m in res] == ["ok", "ok"]
 
@@ -349,7 +364,7 @@ import sys
 sys.path.insert(0, {str(TESTS)!r})
 from speclab import launch, profiles, sweep
 launch.WORKER = sys.argv[3]
-sweep.run(profiles.load(sys.argv[1]), sys.argv[2], progress=False)
+sweep.run(profiles.load(sys.argv[1]), sys.argv[2])
 """
 
 
@@ -364,7 +379,7 @@ def test_a_killed_sweep_takes_its_worker_and_the_workers_children_along(prof_pat
     parent.wait()
     assert wait_for(lambda: not processes_naming(str(run_dir)), 5), \
         f"left running: {processes_naming(str(run_dir))}"
-    assert not list((run_dir / "points").glob("*.json"))
+    assert not list((run_dir / "results").glob("*.json"))
 
 
 GROUPS = """
@@ -407,25 +422,25 @@ def _profile(tmp_path, prof_path, **changes) -> Path:
 
 def test_engine_key_typo_named_with_the_closest_valid_key(prof_path, tmp_path, capsys):
     p = _profile(tmp_path, prof_path, engine={"gpu_memory_utilisation": 0.5})
-    problems = profiles.check_env(profiles.load(p))
+    problems = preflight.check_env(profiles.load(p))
     assert any("engine.gpu_memory_utilisation" in m and "did you mean gpu_memory_utilization"
                in m for m in problems), problems
     assert cli.main(["profile", "check", str(p), "--strict"]) == 1
     assert "did you mean gpu_memory_utilization" in capsys.readouterr().out
-    assert not profiles.engine_key_problems(profiles.load(prof_path))
+    assert not preflight.engine_key_problems(profiles.load(prof_path))
     assert {"enforce_eager", "max_model_len", "kv_cache_memory_bytes",
-            "gpu_memory_utilization", "speculative_config"} <= profiles.engine_arg_names()
+            "gpu_memory_utilization", "speculative_config"} <= preflight.engine_arg_names()
 
 
 def test_tp_beyond_the_numa_nodes_of_the_cpu_backend(prof_path, tmp_path, monkeypatch):
-    tp = profiles.numa_nodes() + 1
+    tp = preflight.numa_nodes() + 1
     p = _profile(tmp_path, prof_path, grid={"num_speculative_tokens": [0],
                                             "layout": [{"tp": tp}]})
-    assert any(f"TP x DP = {tp}" in m and "NUMA" in m for m in profiles.check_env(
+    assert any(f"TP x DP = {tp}" in m and "NUMA" in m for m in preflight.check_env(
         profiles.load(p)))
     assert cli.main(["profile", "check", str(p), "--strict"]) == 1
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "|".join(["0"] * tp))
-    assert not any("NUMA" in m for m in profiles.check_env(profiles.load(p)))
+    assert not any("NUMA" in m for m in preflight.check_env(profiles.load(p)))
 
 
 def test_a_profile_that_is_not_a_mapping_names_its_file(tmp_path, capsys):

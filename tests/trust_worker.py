@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-import pandas as pd
+from fake_requests import requests
 
 from speclab import fingerprint, launch, store
 from speclab.profiles import Point, Profile
@@ -40,8 +40,8 @@ def main(spec_path: str) -> int:
     if mode == "timing":
         Path(spec["output"]).write_text(json.dumps(passed))
         return 0
-    records = pd.DataFrame({"point_id": [point.id] * 2, "k": [point.k] * 2,
-                            "n_output": [profile.max_tokens] * 2})
+    records = requests([{"point_id": point.id, "k": point.k, "prompt_id": f"p{i}",
+                         "n_output": profile.max_tokens} for i in range(2)])
     store.write_point(Path(spec["run_dir"]), store.PointResult(
         point_id=point.id, status="ok", point=point.model_dump(mode="json"),
         started_at=started, sampling=fingerprint.sampling(profile, point),

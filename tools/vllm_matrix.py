@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from speclab import vllm_matrix
+from speclab import progress, vllm_matrix
 
 
 def main(argv=None) -> int:
@@ -28,6 +28,7 @@ def main(argv=None) -> int:
     ap.add_argument("--delete-wheels", action="store_true",
                     help="delete each wheel from the cache once its facts are read")
     a = ap.parse_args(argv)
+    progress.log_to_stdout()  # one line per release read
     if a.all and a.versions:
         ap.error("--all reads every release: give no versions with it")
     previous = vllm_matrix.load() if a.versions and vllm_matrix.MATRIX_JSON.is_file() else None

@@ -94,7 +94,7 @@ def _per_step(g: pd.DataFrame, n_boot: int, seed: int) -> dict:
     total = sum(steps)
     # counters from the step trace leave out a finished request's last round: so do its steps
     vllm = g.counters_from == "vllm" if "counters_from" in g else pd.Series(False, g.index)
-    counted = total - sum(metrics.dropped_rounds(s, f is not None) for s, f, v in zip(
+    counted = total - sum(metrics.dropped_rounds(s, pd.notna(f)) for s, f, v in zip(
         g.step_tokens, g.finish_reason if "finish_reason" in g else [None] * len(g), vllm)
         if not v)
     return {"tokens_per_step": sum(tokens) / total if total else np.nan, "tps_lo": lo,

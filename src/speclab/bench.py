@@ -10,12 +10,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from speclab import analysis, engine, launch, plots, profiles, prompts, store
+from speclab import analysis, engine, launch, plots, preflight, profiles, prompts, store
 
 
 def main(profile_name: str, k: int, run_id: str) -> int:
     prof = profiles.load(profile_name)
-    problems = profiles.check_env(prof)
+    problems = preflight.check_env(prof)
     if problems:
         raise profiles.ProfileError("\n".join(problems))
     g = prof.grid

@@ -11,6 +11,8 @@ import sys
 import time
 from pathlib import Path
 
+from speclab import progress
+
 
 def _value(text: str):
     """A parameter value as papermill's -p reads it, plus YAML/JSON lists and mappings:
@@ -134,7 +136,7 @@ def _levels(text: str) -> list[int]:
 def cmd_sweep(a) -> int:
     import fnmatch
 
-    from speclab import methods, parity, profiles, server, store, sweep
+    from speclab import parity, preflight, profiles, server, store, sweep
 
     over = _override(a.override) or {}
     if a.executor:
@@ -145,7 +147,7 @@ def cmd_sweep(a) -> int:
     if a.mode == "server" and prof.executor != "local":
         raise ValueError("server mode runs on this machine only (--executor local)")
     levels = _levels(a.concurrency) if a.mode == "server" else []
-    problems = profiles.check_env(prof) + methods.env_problems(prof)
+    problems = preflight.check_env(prof)
     if problems:
         raise profiles.ProfileError("\n".join(problems))
     points = profiles.expand(prof)
@@ -172,7 +174,7 @@ def cmd_sweep(a) -> int:
 
 
 def cmd_profile(a) -> int:
-    from speclab import engine, memory, methods, profiles, releases, revisions
+    from speclab import engine, memory, methods, preflight, profiles, releases, revisions
 
     if a.action == "list":
         print("\n".join(profiles.available()))
@@ -196,11 +198,10 @@ def cmd_profile(a) -> int:
     for note in dict.fromkeys(n for e in ests for n in e.notes):
         print(f"  memory from {note}")
     print(f"  methods: {methods.support_line(prof)} (releases whose source was read)")
-    problems = profiles.check_env(prof) + methods.env_problems(prof) + [
-        f"{e.point}: does not fit in memory" for e in ests if e.verdict == "does not fit"]
+    problems = preflight.check_env(prof) + preflight.memory_problems(ests)
     for msg in problems:
         print(f"  not runnable here: {msg}")
-    for warning in filter(None, (releases.horizon(profiles.installed_vllm()),
+    for warning in filter(None, (releases.horizon(preflight.installed_vllm()),
                                  revisions.mismatch(prof))):
         print(f"  warning: {warning}")
     return 1 if problems and a.strict else 0
@@ -248,9 +249,8 @@ def cmd_predict(a) -> int:
 
 
 def cmd_fixtures(a) -> int:
-    from speclab import fixtures, progress
+    from speclab import fixtures
 
-    progress.log_to_stdout()  # the build's steps (training loss, times)
     cache = Path(a.cache) if a.cache else None
     names = a.names or [n for n, fx in fixtures.FIXTURES.items() if fx.by_default]
     if a.action == "list":
@@ -413,6 +413,7 @@ def main(argv: list[str] | None = None) -> int:
     from speclab.runlock import RunLocked
 
     a = build_parser().parse_args(argv)
+    progress.log_to_stdout()  # the package's progress lines (sweeps, fixture builds, ...)
     # SIGTERM unwinds like Ctrl-C, so worker processes and servers are stopped on the way out
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:

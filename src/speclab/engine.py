@@ -48,10 +48,10 @@ def gpu_share(args: dict[str, Any], env=None) -> dict[str, Any]:
 def request_metrics() -> bool:
     """Whether the installed vLLM reports spec-decode counters per request
     (`per_request_spec_decode_metrics`, vllm 0.32; not in 0.26)."""
-    from speclab import profiles
+    from speclab import preflight
 
     try:
-        return "per_request_spec_decode_metrics" in profiles.engine_arg_names()
+        return "per_request_spec_decode_metrics" in preflight.engine_arg_names()
     except (ModuleNotFoundError, OSError, SyntaxError, StopIteration, AttributeError):
         return False
 

@@ -15,15 +15,18 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import os
 import platform
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 from speclab import launch, profiles, store
 from speclab.profiles import Profile, ProfileError, prompt_file
+
+log = logging.getLogger(__name__)
 
 
 def resource(profile: Profile) -> str:
@@ -105,8 +108,8 @@ def _drop_ray_thread_cap() -> None:
 
 
 # --------------------------------------------------------------------- on the driver
-def run(profile: Profile, run_dir: Path, points: list, fps: dict[str, dict],
-        log: Callable | None = print) -> Iterator[dict]:
+def run(profile: Profile, run_dir: Path, points: list, fps: dict[str, dict]
+        ) -> Iterator[dict]:
     """Run `points` on the Ray cluster; yield each point's metadata once it is written, with
     the driver's fingerprint (fps, by point id) as each point's."""
     if not points:
@@ -181,10 +184,9 @@ def run(profile: Profile, run_dir: Path, points: list, fps: dict[str, dict],
                 retries[pid].append({"node": _label(nodes, node_id), "node_id": node_id,
                                      "error": f"{type(e).__name__}: {e}"[:2000],
                                      "at": time.time()})
-                if log:
-                    log(f"point {pid}: node {_label(nodes, node_id)} failed "
-                        f"({type(e).__name__}); " + ("placing it again" if len(retries[pid])
-                                                     <= profile.ray.retries else "giving up"))
+                log.warning(f"point {pid}: node {_label(nodes, node_id)} failed "
+                            f"({type(e).__name__}); " + ("placing it again" if len(
+                                retries[pid]) <= profile.ray.retries else "giving up"))
                 if len(retries[pid]) <= profile.ray.retries:
                     place(pid)
                     continue
@@ -211,11 +213,10 @@ def run(profile: Profile, run_dir: Path, points: list, fps: dict[str, dict],
 def _store(run_dir: Path, point, out: dict, executor: dict, beside: list[str]) -> dict:
     """Write what the node returned through the run store (paths of its scratch folder
     become the run folder's); a point without results gets an error record."""
-    import pandas as pd
-
     files = out.get("files", {})
     scratch = out.get("scratch")
-    rec_name, meta_name = (f"points/{point.id}.parquet", f"points/{point.id}.json")
+    rec_name, meta_name = (str(p.relative_to(run_dir)) for p in store.point_paths(run_dir,
+                                                                                    point.id))
     for name, data in files.items():
         if name in (rec_name, meta_name):
             continue
@@ -227,7 +228,7 @@ def _store(run_dir: Path, point, out: dict, executor: dict, beside: list[str]) -
     else:
         meta = {"point_id": point.id, "status": "error", "point": point.model_dump(mode="json"),
                 "error": out["error"]}
-    records = pd.read_parquet(io.BytesIO(files[rec_name])) if (
+    records = store.read_request_file(io.BytesIO(files[rec_name])) if (
         meta["status"] == "ok" and rec_name in files) else None
     return store.write_point(run_dir, store.PointResult.model_validate(
         {**meta, "executor": executor, "side_by_side": beside}), records)

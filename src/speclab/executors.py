@@ -5,14 +5,17 @@ written its results to the run folder."""
 
 from __future__ import annotations
 
+import logging
 import platform
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 from speclab import launch
 from speclab.profiles import Profile
-from speclab.progress import PREFIX, duration
+from speclab.progress import duration
+
+log = logging.getLogger(__name__)
 
 KINDS = ("local", "ray")
 
@@ -28,23 +31,22 @@ def placement(profile: Profile) -> dict | None:
     return {"executor": "ray", "resource": resource(profile)}
 
 
-def execute(profile: Profile, run_dir: Path, points: list, log: Callable | None = print,
+def execute(profile: Profile, run_dir: Path, points: list,
             fps: dict[str, dict] | None = None) -> Iterator[dict]:
     """Run `points` with the profile's executor; yield each point's metadata as it finishes,
-    with one progress line per point (node, duration, ETA) on `log` (None: quiet). fps: the
+    with one progress line per point (node, duration, ETA) on the log. fps: the
     driver's fingerprint per point id, recorded as each point's (computed where it runs when
     absent)."""
     fps = fps or {}
     if profile.executor == "ray":
         from speclab import executor_ray
 
-        finished = executor_ray.run(profile, Path(run_dir), points, log=log, fps=fps)
+        finished = executor_ray.run(profile, Path(run_dir), points, fps=fps)
     else:
         finished = local(profile, Path(run_dir), points, fps)
     progress = Progress(profile.name, len(points))
     for meta in finished:
-        if log:
-            log(progress.line(meta))
+        log.info(progress.line(meta))
         yield meta
 
 
@@ -55,7 +57,7 @@ def local(profile: Profile, run_dir: Path, points: list, fps: dict[str, dict]
 
 
 class Progress:
-    """One line per finished point (`[speclab] sweep NAME: 2/9 <id> ok on <node> in 12 s;
+    """One line per finished point (`sweep NAME: 2/9 <id> ok on <node> in 12 s;
     ETA 1 min 10 s`): count, status, node, duration and the ETA of the rest (wall time so far
     per finished point, so points run side by side count as such). `speclab run` forwards
     these lines from the notebooks to the terminal (`progress.LineForwarder`)."""
@@ -68,7 +70,7 @@ class Progress:
         left = self.total - self.done
         eta = (time.time() - self.t0) / self.done * left
         ex = meta.get("executor", {})  # absent: run here by the local executor
-        parts = [f"{PREFIX} sweep {self.name}: {self.done}/{self.total} {meta['point_id']} "
+        parts = [f"sweep {self.name}: {self.done}/{self.total} {meta['point_id']} "
                  f"{meta['status']}",
                  f"on {ex.get('node', platform.node())}"]
         if meta.get("wall_s") is not None:

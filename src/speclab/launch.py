@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import logging
 import os
 import re
 import signal
@@ -26,6 +27,7 @@ from typing import IO, Iterator
 from speclab import fingerprint, methods, store
 from speclab.profiles import Point, Profile, resolve_model
 
+log = logging.getLogger(__name__)
 WORKER = "speclab.worker"  # the module a point's process runs (`python -m WORKER SPEC`)
 PR_SET_PDEATHSIG = 1
 _PRCTL = getattr(ctypes.CDLL(None, use_errno=True), "prctl", None)
@@ -134,7 +136,7 @@ def run_point(profile: Profile, point: Point, run_dir: Path, fp: dict | None = N
         wall_s=time.time() - t0, fingerprint=fp, sampling=fp["parts"]["sampling"]))
 
 
-def timing_round(profile: Profile, point: Point, run_dir: Path, rnd: int, log=print) -> dict:
+def timing_round(profile: Profile, point: Point, run_dir: Path, rnd: int) -> dict:
     """One more timed pass of a finished point in a fresh worker (spec mode "timing"),
     appended to the point's `passes`; its throughput becomes their mean. A failed round is
     logged and kept under `pass_errors`; the point's results stay."""
@@ -153,8 +155,8 @@ def timing_round(profile: Profile, point: Point, run_dir: Path, rnd: int, log=pr
         passed, error = None, f"no timing result ({e})"
     if passed is None:
         cause = root_cause(log_path)
-        log(f"point {point.id}: timing round {rnd} failed: {error}" + (f" ({cause})" if cause
-                                                                         else ""))
+        log.warning(f"point {point.id}: timing round {rnd} failed: {error}"
+                    + (f" ({cause})" if cause else ""))
         meta.setdefault("pass_errors", []).append({"round": rnd, "error": error,
                                                     "root_cause": cause})
     else:

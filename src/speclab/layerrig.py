@@ -267,8 +267,6 @@ def check_run(expected: dict, arm: str, run_dir: Path) -> dict:
     final verify round, which ends the request (run h200-dsv4-rig-20261130-h4096: 31 of 32
     drafts per prompt, totals exact), so each prompt must read its expectation less that
     round."""
-    import pandas as pd
-
     from speclab import store
 
     exp = expected["arms"][arm]["counters"]
@@ -278,7 +276,7 @@ def check_run(expected: dict, arm: str, run_dir: Path) -> dict:
     if len(points) != 1:
         raise ValueError(f"{run_dir}: want one finished k={k} point, found {len(points)}")
     got = points[0]["counters"]
-    rows = pd.read_parquet(store.point_paths(run_dir, points[0]["point_id"])[0])
+    rows = store.requests(run_dir, points[0]["point_id"])
     rows = rows.set_index("prompt_id").loc[expected["prompt_ids"]]
     per_prompt = [{"num_drafts": int(r.drafts), "accepted_per_pos": [int(a) for a in
                                                                       r.accepted_per_pos]}

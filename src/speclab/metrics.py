@@ -323,6 +323,8 @@ def ratio_bootstrap_ci(num, den, *, n_boot: int = 1000, level: float = 0.95, see
                        ) -> tuple[float, float]:
     """Percentile bootstrap over requests of sum(num) / sum(den)."""
     num, den = np.asarray(num, dtype=float), np.asarray(den, dtype=float)
+    if not den.sum():
+        return np.nan, np.nan
     idx = np.random.default_rng(seed).integers(0, len(num), size=(n_boot, len(num)))
     with np.errstate(invalid="ignore", divide="ignore"):
         r = num[idx].sum(axis=1) / den[idx].sum(axis=1)

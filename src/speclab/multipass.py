@@ -4,8 +4,8 @@ no plain pass saw.
 
 A `Group` is one engine (`engine_point`: its configuration, and any defect that must exist
 before the model loads) and the passes it runs, each recorded as its own point of the run
-folder in the sweep's format (`points/<id>.parquet|json`, metadata `engine_group` and
-`pass_index`), so `store.load_results` reads them with the rest; a pass is resumed only
+folder in the sweep's format (`points/<id>.parquet`, `results/<id>.json` with `engine_group`
+and `pass_index`), so `store.load_results` reads them with the rest; a pass is resumed only
 when its fingerprint still matches, like a sweep point. Plain passes request top-2 logprobs
 in the pass itself. `python -m speclab.multipass SPEC.json` runs one group (or one rescoring
 job) in a fresh process tied to its parent (speclab.launch), like `speclab.worker`.
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import sys
 import time
@@ -27,6 +28,7 @@ import pandas as pd
 from speclab import fingerprint, launch, runlock, store
 from speclab.profiles import Point, Profile
 
+log = logging.getLogger(__name__)
 GROUP_ENV = "SPECLAB_ENGINE_GROUP"
 RESCORE_FILE = "rescore.parquet"
 
@@ -56,16 +58,16 @@ def _subprocess(spec: dict, run_dir: Path, name: str, env: dict, timeout: float)
                              run_dir / "logs" / f"{name}.log", env, timeout)
 
 
-def run_groups(profile: Profile, run_dir: Path, groups: list[Group], log=print) -> None:
+def run_groups(profile: Profile, run_dir: Path, groups: list[Group]) -> None:
     """Run every group with a pass to measure, holding the run folder's lock: a pass is kept
     only when it finished with this machine's and profile's fingerprint (mode "multipass");
     otherwise it is set aside with one line saying why (`store.needs_run`)."""
     run_dir = Path(run_dir)
-    with runlock.hold(run_dir, log):
-        _run_groups(profile, run_dir, groups, log)
+    with runlock.hold(run_dir):
+        _run_groups(profile, run_dir, groups)
 
 
-def _run_groups(profile: Profile, run_dir: Path, groups: list[Group], log) -> None:
+def _run_groups(profile: Profile, run_dir: Path, groups: list[Group]) -> None:
     stamp = store.stamp()
     store.save_profile(profile, run_dir, stamp)
     if groups:
@@ -73,7 +75,7 @@ def _run_groups(profile: Profile, run_dir: Path, groups: list[Group], log) -> No
     fps = {p.id: fingerprint.of_point(profile, p, mode="multipass")
            for g in groups for p in g.passes}
     todo = [g for g in groups  # every pass is checked: a changed one is set aside
-            if any([store.needs_run(run_dir, p.id, fps[p.id], stamp, log) for p in g.passes])]
+            if any([store.needs_run(run_dir, p.id, fps[p.id], stamp) for p in g.passes])]
     for g in todo:
         spec = {"job": "group", "profile": profile.model_dump(mode="json"),
                 "engine_point": g.engine_point.model_dump(mode="json"), "name": g.name,
@@ -85,7 +87,7 @@ def _run_groups(profile: Profile, run_dir: Path, groups: list[Group], log) -> No
         for i, p in enumerate(g.passes):
             meta = store.read_meta(run_dir, p.id)
             if meta is None or meta.get("status") != "ok":
-                log(f"group {g.name} pass {i} ({p.id}) failed: {err or 'no result'}")
+                log.warning(f"group {g.name} pass {i} ({p.id}) failed: {err or 'no result'}")
                 if meta is None:
                     store.write_point(run_dir, store.PointResult(
                         point_id=p.id, status="error", point=p.model_dump(mode="json"),
@@ -93,17 +95,17 @@ def _run_groups(profile: Profile, run_dir: Path, groups: list[Group], log) -> No
                         fingerprint=fps[p.id]))
 
 
-def rescore(profile: Profile, run_dir: Path, requests: pd.DataFrame, log=print) -> pd.DataFrame:
+def rescore(profile: Profile, run_dir: Path, requests: pd.DataFrame) -> pd.DataFrame:
     """Top-1/top-2 margins of the plain engine after given prefixes (prompt_id, position,
     prefix: the output token ids before position), one token each with logprobs; appended to
     the run's `rescore.parquet` (returned whole). Prefixes already there are not rerun.
     Holds the run folder's lock."""
     run_dir = Path(run_dir)
-    with runlock.hold(run_dir, log):
-        return _rescore(profile, run_dir, requests, log)
+    with runlock.hold(run_dir):
+        return _rescore(profile, run_dir, requests)
 
 
-def _rescore(profile: Profile, run_dir: Path, requests: pd.DataFrame, log) -> pd.DataFrame:
+def _rescore(profile: Profile, run_dir: Path, requests: pd.DataFrame) -> pd.DataFrame:
     path = run_dir / RESCORE_FILE
     have = pd.read_parquet(path) if path.exists() else pd.DataFrame(
         columns=["prompt_id", "position", "prefix_sha", "margin", "top1", "runner_up"])
@@ -122,7 +124,7 @@ def _rescore(profile: Profile, run_dir: Path, requests: pd.DataFrame, log) -> pd
                           "prefix": [int(x) for x in r.prefix]} for r in req.itertuples()]}
     err = _subprocess(spec, run_dir, "rescore", profile.env, profile.timeout_s)
     if err:
-        log(f"rescoring {len(req)} prefixes failed: {err}")
+        log.warning(f"rescoring {len(req)} prefixes failed: {err}")
     return pd.read_parquet(path) if path.exists() else have
 
 
@@ -146,7 +148,7 @@ def _run_group(spec: dict) -> None:
     from vllm import SamplingParams
 
     from speclab import defects, engine, metrics, prompts
-    from speclab.worker import records_frame
+    from speclab.worker import request_records
 
     profile = Profile.model_validate(spec["profile"])
     base = Point.model_validate(spec["engine_point"])
@@ -178,8 +180,8 @@ def _run_group(spec: dict) -> None:
             traces = engine.generate_stepwise(llm, ids, sp, p.concurrency)
             gen_s = time.perf_counter() - g0
             delta = metrics.from_snapshot(llm.get_metrics()) - before
-            records = records_frame(profile, p, plist, ids, traces)
-            n_out = int(records.n_output.sum())
+            records = request_records(p, plist, ids, traces)
+            n_out = sum(r.n_output for r in records)
             store.write_point(run_dir, store.PointResult(
                 point_id=p.id, status="ok", point=p.model_dump(mode="json"),
                 profile=profile.name, engine_group=spec["name"], pass_index=i,

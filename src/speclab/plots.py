@@ -109,8 +109,8 @@ def al_and_speed_vs_k(acc: pd.DataFrame, speed: pd.DataFrame, draft_cost: float,
             title="Acceptance length (bonus token incl.)")
     ax1.legend(fontsize=8)
     _footer(fig, "AL error bars: 95% percentile bootstrap CI over requests (N = "
-            f"{_n_text(acc.get('n_requests'))} per point); throughput: one timed pass "
-            "per point, no error bar")
+            f"{_n_text(acc.get('n_requests'))} per point); throughput: mean over the timing "
+            "rounds, error bars 95% t-interval (none with one round)")
     plain = sp[sp.k == 0] if len(sp) else sp
     spec = sp[sp.k > 0] if len(sp) else sp
     series = _series(spec.sort_values("k")) if len(spec) else []
@@ -120,6 +120,10 @@ def al_and_speed_vs_k(acc: pd.DataFrame, speed: pd.DataFrame, draft_cost: float,
         line = ax2.plot([0 + dx, *(g.k + dx)], [b, *g.throughput_tok_s],
                         marker=MARKERS[i % len(MARKERS)], ls=LINESTYLES[i % len(LINESTYLES)],
                         label=f"measured {label}".strip())[0]
+        if "tput_lo" in g and g.tput_lo.notna().any():
+            ax2.errorbar(g.k + dx, g.throughput_tok_s, fmt="none", capsize=3,
+                         ecolor=line.get_color(), yerr=[g.throughput_tok_s - g.tput_lo,
+                                                        g.tput_hi - g.throughput_tok_s])
         bound = [b * metrics.ideal_speedup(al, k, draft_cost)
                  for al, k in zip(g.mean_acceptance_length, g.k)]
         ax2.plot(g.k, bound, ls=":", marker="x", c=line.get_color(),
@@ -368,13 +372,14 @@ def detection_power(pw: pd.DataFrame, near_tie: float, floor: float,
 
 
 def speedup_vs_k(measured: pd.DataFrame, predicted: pd.DataFrame | None = None) -> plt.Figure:
-    """Speedup over plain decoding vs k, one panel per (layers, mode), one line per batch
-    size: measured with 95% intervals, predicted (dashed) where given."""
+    """Speedup over plain decoding vs k, one panel per (layers, mode, draft setting), one line
+    per batch size: measured with 95% intervals, predicted (dashed) where given."""
     if measured.empty:
         return _no_results("speedup vs k", "no speculative point")
-    panels = list(measured.groupby(["layers", "eager"]))
+    measured = measured.assign(draft=measured.get("draft", ""))
+    panels = list(measured.groupby(["layers", "eager", "draft"]))
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.6), squeeze=False)
-    for ax, ((layers, eager), g) in zip(axes[0], panels):
+    for ax, ((layers, eager, draft), g) in zip(axes[0], panels):
         for i, (B, gb) in enumerate(g.groupby("B")):
             gb = gb.sort_values("k")
             err = np.vstack([gb.speedup - gb.speedup_lo, gb.speedup_hi - gb.speedup])
@@ -382,10 +387,12 @@ def speedup_vs_k(measured: pd.DataFrame, predicted: pd.DataFrame | None = None) 
                                capsize=3, label=f"B={B}")
             if predicted is not None and len(predicted):
                 p = predicted[(predicted.layers == layers) & (predicted.eager == eager)
+                              & (predicted.get("draft", "") == draft)
                               & (predicted.B == B)].sort_values("k")
                 ax.plot(p.k, p.pred_speedup, ls="--", color=line[0].get_color())
         ax.axhline(1, color="grey", lw=0.8)
-        ax.set(title=f"{layers} layers, {'eager' if eager else 'CUDA graphs'}", xlabel="k",
+        ax.set(title=f"{layers} layers, {'eager' if eager else 'CUDA graphs'}"
+               + (f", draft {draft}" if draft else ""), xlabel="k",
                ylabel="speedup over plain")
         ax.legend(fontsize=8)
     return fig

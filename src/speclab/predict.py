@@ -63,15 +63,34 @@ def load(run_dir: Path) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+CONFIG = ["layers", "eager", "draft"]
+"""What sets an engine's step cost apart besides k and B: target depth, eager or CUDA graphs,
+and the draft's setting (`draft_setting`)."""
+STALL = 3.0  # a pass over this many times its engine's median at that B stalled
+
+
+def draft_setting(engine: str, k: int) -> str:
+    """The draft's setting in a gpubench engine name (`L4-k3-graphs-drafteager` ->
+    `drafteager`; the EAGLE3.1 shape as is -> ``); plain engines have none."""
+    parts = engine.split("-", 3)
+    return parts[3] if k and len(parts) == 4 else ""
+
+
 def passes(results: pd.DataFrame, max_tokens: int = 128) -> pd.DataFrame:
-    """Timed passes (round >= 1, op `pass`, no kernel JIT-compiled during the pass) with
-    decode time, steps, step time and tok/s. A pass is kept once (the last record of an
-    engine, round and batch size)."""
+    """Timed passes (round >= 1, op `pass`) with decode time, steps, step time and tok/s. A
+    pass is kept once (the last record of an engine, round and batch size); not kept: a pass
+    during which a kernel was JIT-compiled, one whose decode time is not positive, and one
+    whose prefill or full time is over `STALL` times its engine's median at that batch size
+    (a compile the log did not name)."""
     df = results[(results.op == "pass") & (results["round"] >= 1)].copy()
     df = df.drop_duplicates(["engine", "round", "B"], keep="last")
     if "jit_compiled" in df:  # a kernel compiled while the pass ran: not a clean timing
         df = df[df.jit_compiled.map(lambda j: not (isinstance(j, list) and j))]
     df["decode_s"] = df.t_full_s - df.t_prefill_s
+    df = df[df.decode_s > 0]
+    for col in ("t_prefill_s", "t_full_s"):
+        df = df[df[col] <= STALL * df.groupby(["engine", "B"])[col].transform("median")]
+    df["draft"] = [draft_setting(e, k) for e, k in zip(df.engine, df.k)]
     drafts = df.counters.map(lambda c: c.get("num_drafts", 0))
     df["steps"] = np.where(df.k > 0, drafts / df.B, max_tokens - 1)
     df["step_ms"] = 1e3 * df.decode_s / df.steps
@@ -85,7 +104,7 @@ def step_costs(results: pd.DataFrame, max_tokens: int = 128) -> pd.DataFrame:
     measured AL and rounds; speedup over the plain engine of the same (layers, eager, B) as
     the geometric mean of per-round ratios (rounds run interleaved, so round r pairs)."""
     df = passes(results, max_tokens)
-    keys = ["layers", "eager", "k", "B"]
+    keys = [*CONFIG, "k", "B"]
     rows = []
     for key, g in df.groupby(keys):
         step = analysis.mean_ci(g.step_ms)
@@ -98,7 +117,8 @@ def step_costs(results: pd.DataFrame, max_tokens: int = 128) -> pd.DataFrame:
         return out
     sp = []
     for _, r in out.iterrows():
-        mine = df[(df.layers == r.layers) & (df.eager == r.eager) & (df.k == r.k) & (df.B == r.B)]
+        mine = df[(df.layers == r.layers) & (df.eager == r.eager) & (df.draft == r.draft)
+                  & (df.k == r.k) & (df.B == r.B)]
         base = df[(df.layers == r.layers) & (df.eager == r.eager) & (df.k == 0) & (df.B == r.B)]
         paired = mine.merge(base, on="round", suffixes=("", "_0"))
         sp.append(analysis.ratio_ci(paired.tok_s, paired.tok_s_0) if len(paired) else
@@ -109,15 +129,17 @@ def step_costs(results: pd.DataFrame, max_tokens: int = 128) -> pd.DataFrame:
 
 def draft_ms(results: pd.DataFrame) -> pd.DataFrame:
     """Drafter GPU time per decode step (median over a split pass's calls whose scheduled
-    tokens are B (k + 1): the verify steps; prefill steps excluded) per (layers, eager, k, B)."""
+    tokens are B (k + 1): the verify steps; prefill steps excluded) per (layers, eager, draft,
+    k, B)."""
     rows = []
     split = results[results.op == "split"] if "op" in results else results.iloc[:0]
     for _, r in split.iterrows():
         calls = [c["ms"] for c in r["calls"] if c["tokens"] == r.B * (r.k + 1)]
         if calls:
-            rows.append({"layers": r.layers, "eager": r.eager, "k": r.k, "B": r.B,
+            rows.append({"layers": r.layers, "eager": r.eager,
+                         "draft": draft_setting(r.engine, r.k), "k": r.k, "B": r.B,
                          "draft_ms": float(np.median(calls)), "draft_calls": len(calls)})
-    return pd.DataFrame(rows, columns=["layers", "eager", "k", "B", "draft_ms", "draft_calls"])
+    return pd.DataFrame(rows, columns=[*CONFIG, "k", "B", "draft_ms", "draft_calls"])
 
 
 # --------------------------------------------------------------------------- the model
@@ -136,27 +158,30 @@ def interpolate(curve: pd.Series, n: float) -> float:
 
 def predict(costs: pd.DataFrame, drafts: pd.DataFrame, rates, ks=range(1, 6),
             batches=None) -> pd.DataFrame:
-    """Predicted step, tok/s and speedup per (layers, eager, k, B) from the plain curve and
-    the drafter times (module doc), for the acceptance profile `rates`; best k per B is the
-    row with `best` True."""
+    """Predicted step, tok/s and speedup per (layers, eager, draft, k, B) from the plain
+    curve and the drafter times of each draft setting (module doc), for the acceptance
+    profile `rates`; best k per B is the row with `best` True."""
     rows = []
     for (layers, eager), _ in costs.groupby(["layers", "eager"]):
         curve = plain_curve(costs, layers, eager)
         d = drafts[(drafts.layers == layers) & (drafts.eager == eager)]
-        for B in batches or sorted(costs[(costs.layers == layers) & (costs.k > 0)].B.unique()):
-            t0 = interpolate(curve, B)
-            for k in ks:
-                dk = d[(d.k == k) & (d.B == B)].draft_ms
-                verify = interpolate(curve, B * (k + 1))
-                step = verify + (float(dk.iloc[0]) if len(dk) else np.nan)
-                al = acceptance_length(rates, k)
-                rows.append({"layers": layers, "eager": eager, "k": k, "B": B, "al": al,
-                             "verify_ms": verify, "draft_ms": step - verify,
-                             "pred_step_ms": step, "pred_tok_s": 1e3 * B * al / step,
-                             "pred_speedup": al * t0 / step})
+        for draft in sorted(d.draft.unique()) or [""]:
+            dd = d[d.draft == draft]
+            for B in batches or sorted(costs[(costs.layers == layers) & (costs.k > 0)].B.unique()):
+                t0 = interpolate(curve, B)
+                for k in ks:
+                    dk = dd[(dd.k == k) & (dd.B == B)].draft_ms
+                    verify = interpolate(curve, B * (k + 1))
+                    step = verify + (float(dk.iloc[0]) if len(dk) else np.nan)
+                    al = acceptance_length(rates, k)
+                    rows.append({"layers": layers, "eager": eager, "draft": draft, "k": k,
+                                 "B": B, "al": al, "verify_ms": verify,
+                                 "draft_ms": step - verify, "pred_step_ms": step,
+                                 "pred_tok_s": 1e3 * B * al / step,
+                                 "pred_speedup": al * t0 / step})
     out = pd.DataFrame(rows)
     if len(out):
-        best = out.groupby(["layers", "eager", "B"]).pred_speedup.transform("max")
+        best = out.groupby([*CONFIG, "B"]).pred_speedup.transform("max")
         out["best"] = out.pred_speedup == best
     return out
 
@@ -171,7 +196,7 @@ def validate(results: pd.DataFrame, max_tokens: int = 128) -> pd.DataFrame:
     rows = []
     for _, r in costs[costs.k > 0].iterrows():
         p = predict(costs, drafts, _rates_for(r, timed), ks=[r.k], batches=[r.B])
-        p = p[(p.layers == r.layers) & (p.eager == r.eager)]
+        p = p[(p.layers == r.layers) & (p.eager == r.eager) & (p.draft == r.draft)]
         if p.empty:
             continue
         q = p.iloc[0]
@@ -184,8 +209,8 @@ def validate(results: pd.DataFrame, max_tokens: int = 128) -> pd.DataFrame:
 def _rates_for(row, df: pd.DataFrame) -> list[float]:
     """The measured per-position acceptance of one engine configuration and batch size, over
     its timed passes `df` (`passes`)."""
-    g = df[(df.layers == row.layers) & (df.eager == row.eager) & (df.k == row.k)
-           & (df.B == row.B)]
+    g = df[(df.layers == row.layers) & (df.eager == row.eager) & (df.draft == row.draft)
+           & (df.k == row.k) & (df.B == row.B)]
     drafts = g.counters.map(lambda c: c["num_drafts"]).sum()
     acc = np.sum([c["accepted_per_pos"] for c in g.counters], axis=0)
     return [float(a / drafts) for a in acc]
@@ -283,18 +308,18 @@ def report(run_dir: Path, rates=PUBLISHED_EAGLE31, layers: int = PRODUCTION_LAYE
              ("Decode throughput (tokens after the first, per second) and speedup over plain "
              "decoding at the same batch size, mean and 95% interval over timed rounds "
              "(speedup: geometric mean of per-round ratios, rounds interleaved over k)."), "",
-             _md(spec.sort_values(["layers", "eager", "B", "k"]),
-                 ["layers", "eager", "B", "k", "al", "step_ms", "tok_s", "tok_s_lo", "tok_s_hi",
+             _md(spec.sort_values([*CONFIG, "B", "k"]),
+                 [*CONFIG, "B", "k", "al", "step_ms", "tok_s", "tok_s_lo", "tok_s_hi",
                   "speedup", "speedup_lo", "speedup_hi", "rounds"]), ""]
-    best = spec.loc[spec.groupby(["layers", "eager", "B"]).speedup.idxmax()] if len(spec) else spec
-    lines += ["## Best k (measured)", "", _md(best, ["layers", "eager", "B", "k", "speedup",
+    best = spec.loc[spec.groupby([*CONFIG, "B"]).speedup.idxmax()] if len(spec) else spec
+    lines += ["## Best k (measured)", "", _md(best, [*CONFIG, "B", "k", "speedup",
                                                     "speedup_lo", "speedup_hi"]), ""]
     if len(val):
         worst = val.error.abs().max()
         lines += ["## Predicted vs measured", "",
                   ("Prediction from the plain step at B(k+1) rows, the drafter's measured time "
                   f"and the point's measured acceptance; largest |error| {worst:.1%}."), "",
-                  _md(val, ["layers", "eager", "B", "k", "step_ms", "pred_step_ms", "verify_ms",
+                  _md(val, [*CONFIG, "B", "k", "step_ms", "pred_step_ms", "verify_ms",
                             "draft_ms", "speedup", "pred_speedup", "error"]), ""]
     try:
         ex = extrapolate(costs, drafts, rates, layers)
@@ -304,7 +329,7 @@ def report(run_dir: Path, rates=PUBLISHED_EAGLE31, layers: int = PRODUCTION_LAYE
                   "layer run. One GPU, TP 1; TP 4/8 + EP adds all-to-all per MoE layer and "
                   "divides the experts per GPU, which no run here covers."), "",
                   _md(ex["fit"], ["n", "a_ms", "b_ms_per_layer"]), "",
-                  _md(ex["prediction"], ["B", "k", "al", "verify_ms", "draft_ms",
+                  _md(ex["prediction"], ["draft", "B", "k", "al", "verify_ms", "draft_ms",
                                          "pred_step_ms", "pred_tok_s", "pred_speedup", "best"]),
                   ""]
     except ValueError as e:

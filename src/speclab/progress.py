@@ -1,5 +1,7 @@
-"""Progress as plain lines (`[speclab] ...` on stdout), readable in a terminal, a log file and
-a notebook executed by papermill alike (a widget progress bar freezes in a saved notebook).
+"""Progress: the package logs through one logger, `speclab` (each module's child
+`speclab.<module>`); `log_to_stdout` shows its INFO lines as plain `[speclab] ...` lines on
+stdout, readable in a terminal, a log file and a notebook executed by papermill alike (a
+widget progress bar freezes in a saved notebook). The CLI and the notebooks call it once.
 `speclab run` forwards these lines from the notebooks to the terminal (`LineForwarder`)."""
 
 from __future__ import annotations
@@ -20,18 +22,28 @@ def duration(seconds: float) -> str:
     return f"{s // 3600} h {s % 3600 // 60:02d} min"
 
 
-def say(text: str) -> None:
-    print(f"{PREFIX} {text}", file=sys.stdout, flush=True)
+class Lines(logging.StreamHandler):
+    """`[speclab] message` on the stdout of the moment (a notebook kernel or a test capture
+    replaces sys.stdout after the handler exists)."""
+
+    def __init__(self):
+        super().__init__()
+        self.setFormatter(logging.Formatter(f"{PREFIX} %(message)s"))
+
+    @property
+    def stream(self):
+        return sys.stdout
+
+    @stream.setter
+    def stream(self, _):
+        pass
 
 
 def log_to_stdout() -> None:
-    """Show the package's INFO log lines (e.g. fixture training steps) as progress lines."""
+    """Show the `speclab` logger's INFO lines as progress lines (once per process)."""
     log = logging.getLogger("speclab")
-    if not any(getattr(h, "_speclab", False) for h in log.handlers):
-        h = logging.StreamHandler(sys.stdout)
-        h.setFormatter(logging.Formatter(f"{PREFIX} %(message)s"))
-        h._speclab = True
-        log.addHandler(h)
+    if not any(isinstance(h, Lines) for h in log.handlers):
+        log.addHandler(Lines())
         log.setLevel(logging.INFO)
         log.propagate = False
 

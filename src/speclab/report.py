@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import html
 import json
+import logging
 import re
 import time
 from pathlib import Path
@@ -16,11 +17,13 @@ from pathlib import Path
 import nbformat
 import pandas as pd
 
-from speclab import convention, methods, paths, profiles, progress, provenance, store, summary
+from speclab import (convention, paths, preflight, profiles, progress, provenance, store,
+                     summary)
 from speclab.notebook import MIME
 
 NOTEBOOK_DIR = paths.RESOURCES / "notebooks"
 SUITE = ("00_overlay", "01_sweep", "02_acceptance", "03_parity", "04_explorer")
+log = logging.getLogger(__name__)
 class NotebookFailed(RuntimeError):
     """A notebook of the suite raised; the report was still written and says where."""
 
@@ -30,13 +33,9 @@ class NotebookFailed(RuntimeError):
                          f"{failure['error']}; report with what ran: {report}")
 
 
-def _say(text: str) -> None:
-    print(text, flush=True)
-
-
 def run_suite(profile: str, *, run_id: str | None = None, notebooks=SUITE,
               parameters: dict | None = None, runs_root: Path | None = None,
-              figures_root: Path | None = None, log=_say) -> Path:
+              figures_root: Path | None = None) -> Path:
     """Validate the profile, execute the notebooks into <run>/notebooks/, write
     summary.parquet/.csv, provenance.json and report.html; returns the report path. Fails
     before any notebook runs if the profile cannot run here, unless parameters["execute"] is
@@ -47,7 +46,7 @@ def run_suite(profile: str, *, run_id: str | None = None, notebooks=SUITE,
 
     prof = profiles.load(profile, (parameters or {}).get("overrides"))
     executes = (parameters or {}).get("execute", True)
-    problems = profiles.check_env(prof) + methods.env_problems(prof) if executes else []
+    problems = preflight.check_env(prof) if executes else []
     if problems:
         raise profiles.ProfileError(f"profile {prof.name} cannot run here:\n  " + "\n  ".join(problems))
     run_dir, fig_dir = store.run_dirs(run_id or prof.name, runs_root, figures_root)
@@ -60,8 +59,8 @@ def run_suite(profile: str, *, run_id: str | None = None, notebooks=SUITE,
     timings, done, failure = {}, [], None
     for i, name in enumerate(notebooks, 1):
         t0 = time.time()
-        log(f"{progress.PREFIX} notebook {i}/{len(notebooks)} {name} started "
-            f"{time.strftime('%H:%M:%S')} (run {run_dir.name})")
+        log.info(f"notebook {i}/{len(notebooks)} {name} started "
+                 f"{time.strftime('%H:%M:%S')} (run {run_dir.name})")
         src = NOTEBOOK_DIR / f"{name}.ipynb"
         declared = pm.inspect_notebook(str(src))  # pass each notebook only what it declares
         try:
@@ -74,8 +73,9 @@ def run_suite(profile: str, *, run_id: str | None = None, notebooks=SUITE,
                        "source": e.source}
         timings[name] = round(time.time() - t0, 1)
         done.append(name)
-        log(f"{progress.PREFIX} notebook {name} {'FAILED' if failure else 'done'} in "
-            f"{progress.duration(timings[name])} · elapsed {progress.duration(time.time() - started)}")
+        log.info(f"notebook {name} {'FAILED' if failure else 'done'} in "
+                 f"{progress.duration(timings[name])} · elapsed "
+                 f"{progress.duration(time.time() - started)}")
         if failure:
             break
     summary.write(run_dir)
@@ -88,7 +88,7 @@ def run_suite(profile: str, *, run_id: str | None = None, notebooks=SUITE,
         if "side_by_side" in pts else []
     (run_dir / "provenance.json").write_text(json.dumps(prov, indent=1, default=str))
     report = export_html(run_dir, done, prov, failure=failure)
-    log(f"{progress.PREFIX} report: {report}")
+    log.info(f"report: {report}")
     if failure:
         raise NotebookFailed(failure, report)
     return report
@@ -191,8 +191,10 @@ def header_html(run_dir: Path, failure: dict | None = None) -> str:
         c = f"c = {prof.draft_cost:g}, the profile's draft_cost" if prof else "c: draft cost"
         parts += ["<h2>Points</h2>", table,
                   f"<p style='font-size:90%'>{html.escape(summary.AL_METHOD)}; '(engine)': the "
-                  "engine's counters, no CI. speedup: throughput over the plain point of the "
-                  "same configuration (one timed pass each, no CI). ideal: AL/(1+k·c), "
+                  "engine's counters, no CI. tok/s: mean over the timing rounds, 95% t-interval. "
+                  "speedup: over the plain point of the same configuration, the geometric mean "
+                  "of the per-round ratios with a 95% t-interval on their logs (rounds: the "
+                  "pairs; one round, no CI). ideal: AL/(1+k·c), "
                   f"{html.escape(c)}. parity: fraction of prompts whose greedy output equals "
                   "plain decoding's, Wilson 95% CI. Table: summary.parquet / summary.csv in "
                   "the run folder.</p>"]

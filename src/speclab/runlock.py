@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import logging
 import os
 import socket
 import sys
@@ -17,6 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
+log = logging.getLogger(__name__)
 ENV = "SPECLAB_RUN_LOCK"
 
 
@@ -56,7 +58,7 @@ def _ancestors() -> set[int]:
 
 
 @contextmanager
-def hold(run_dir: Path, log=print) -> Iterator[None]:
+def hold(run_dir: Path) -> Iterator[None]:
     """Hold the run folder's lock for the block; raise RunLocked at once if another process
     holds it."""
     run_dir = Path(run_dir)
@@ -78,7 +80,7 @@ def hold(run_dir: Path, log=print) -> Iterator[None]:
                 "or use another --run-id") from None
         old = holder(run_dir)
         if old and old.get("pid"):
-            log(f"run folder {run_dir}: its previous writer (pid {old['pid']} on "
+            log.warning(f"run folder {run_dir}: its previous writer (pid {old['pid']} on "
                 f"{old.get('host')}) ended without releasing it; stale lock taken over")
         me = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.time(),
               "command": " ".join(sys.argv)}

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import socket
 import subprocess
@@ -26,12 +27,12 @@ from pathlib import Path
 from typing import Iterator
 
 import httpx
-import pandas as pd
 
 from speclab import (convention, engine, fingerprint, launch, methods, metrics, prompts,
                      revisions, runlock, store)
 from speclab.profiles import Point, Profile, prompt_file, resolve_model
 
+log = logging.getLogger(__name__)
 SERVED_NAME = "speclab"
 
 
@@ -201,8 +202,7 @@ def run_point(profile: Profile, point: Point, run_dir: Path, levels: list[int]) 
     with runlock.hold(run_dir):
         fp = fingerprint.of_point(profile, point, mode="server")
         stamp = store.stamp()
-        todo = [c for c in levels if store.needs_run(run_dir, level_id(point, c), fp, stamp,
-                                                     print)]
+        todo = [c for c in levels if store.needs_run(run_dir, level_id(point, c), fp, stamp)]
         if todo:
             _serve_levels(profile, point, run_dir, todo, fp, stamp)
         return [store.read_meta(run_dir, level_id(point, c)) for c in levels]
@@ -243,8 +243,8 @@ def _serve_levels(profile: Profile, point: Point, run_dir: Path, todo: list[int]
             time.sleep(float(env["VLLM_LOG_STATS_INTERVAL"]) + 1.5)
     except (RuntimeError, OSError, httpx.HTTPError, asyncio.TimeoutError) as e:
         error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}".rstrip(": ")
-        print(f"point {point.id}: server failed ({error}); recorded for concurrency "
-              f"{', '.join(map(str, left))}, going on")
+        log.warning(f"point {point.id}: server failed ({error}); recorded for concurrency "
+                    f"{', '.join(map(str, left))}, going on")
         for c in left:
             store.write_point(run_dir, store.PointResult(
                 **base, point_id=level_id(point, c), concurrency=c, error=error,
@@ -260,13 +260,11 @@ def _measure_level(url: str, profile: Profile, point: Point, run_dir: Path, plis
     gen_s = time.perf_counter() - g0
     total = scrape(url)
     delta = total - before
-    rows = [{"point_id": pid, "k": point.k, "method": methods.of(point),
-             "kv_cache_dtype": point.kv_cache_dtype,
-             "draft_kv_cache_dtype": point.draft_kv_cache_dtype,
-             "layout": point.layout.label, "prompt_format": point.prompt_format,
-             "repeat": point.repeat, "concurrency": c, "prompt_id": p.id,
-             "category": p.category, **r, **_chunk_counters(r, point.k)}
-            for p, r in zip(plist, res)]
+    rows = [store.RequestRecord(
+        point_id=pid, k=point.k, kv_cache_dtype=point.kv_cache_dtype,
+        draft_kv_cache_dtype=point.draft_kv_cache_dtype, layout=point.layout.label,
+        prompt_format=point.prompt_format, repeat=point.repeat, concurrency=c, prompt_id=p.id,
+        category=p.category, **r, **_chunk_counters(r, point.k)) for p, r in zip(plist, res)]
     n_out = sum(r["n_output"] for r in res)
     from_chunks = sum((metrics.SpecCounters(**{k: v for k, v in _chunk_counters(
         r, point.k, raw=True).items()}) for r in res), metrics.SpecCounters())
@@ -281,4 +279,4 @@ def _measure_level(url: str, profile: Profile, point: Point, run_dir: Path, plis
             "passes": [{"round": 1, "generate_s": gen_s, "output_tokens": n_out,
                         "tok_s": n_out / gen_s, "at": time.time()}],
             "versions": engine.versions(), "finished_at": time.time()})
-    store.write_point(run_dir, meta, pd.DataFrame(rows))
+    store.write_point(run_dir, meta, rows)

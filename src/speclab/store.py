@@ -2,8 +2,9 @@
 holds.
 
 Run folder layout (`run_dir`):
-    points/<point-id>.parquet   per-request records (written first, atomically)
-    points/<point-id>.json      a `PointResult` (written last: the completion mark)
+    points/<point-id>.parquet   its `RequestRecord`s, one row each (written first, atomically);
+                                every file has one schema: `pd.read_parquet(run / "points")`
+    results/<point-id>.json     a `PointResult` (written last: the completion mark)
     logs/<point-id>.log         the worker's stdout/stderr (timing rounds: .round<N>.log)
     logs/<point-id>.spec.json   the worker's input (`python -m speclab.worker` reruns it)
     superseded/<time>/          results set aside: measured with other settings, or damaged
@@ -19,6 +20,7 @@ so a full disk leaves no half-written or hidden file behind."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import tempfile
 import time
@@ -27,13 +29,17 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Literal
 
 import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from speclab import fingerprint
 from speclab.paths import run_folders
 from speclab.profiles import Profile
 
+log = logging.getLogger(__name__)
 SCHEMA_VERSION = 1
+REQUEST_SCHEMA_VERSION = 1
 
 
 class PointResult(BaseModel):
@@ -60,6 +66,8 @@ class PointResult(BaseModel):
     sampling: dict | None = None
     method: dict | None = None                   # methods.settings: the method and its settings
     models: dict | None = None                   # revisions.record: revisions asked and loaded
+    request_counters: Literal["vllm", "steps"] | None = None  # the requests' counters: vLLM's
+    # own per request, or counted from the step trace (metrics.request_counters)
     fingerprint: dict | None = None              # {"digest", "parts"} (speclab.fingerprint)
     engine_args: dict | None = None
     env: dict | None = None
@@ -86,6 +94,67 @@ class PointResult(BaseModel):
     side_by_side: list[str] | None = None
 
 
+class RequestRecord(BaseModel):
+    """One request of a point, a row of `points/<point-id>.parquet`: every writer (worker,
+    multipass, server, the Ray executor) constructs them and `requests`/`load_results` read
+    them. Every parquet file has the columns of `REQUEST_ARROW` in this order. Version 1."""
+
+    model_config = ConfigDict(extra="forbid")
+    schema_version: int = REQUEST_SCHEMA_VERSION
+    point_id: str
+    k: int
+    kv_cache_dtype: str
+    draft_kv_cache_dtype: str | None = None
+    layout: str                                  # Layout.label: tp1, tp2dp2, ...
+    prompt_format: str
+    repeat: int
+    concurrency: int                             # requests in flight
+    prompt_id: str
+    category: str
+    prompt_len: int | None = None                # prompt tokens (server: from usage)
+    output_token_ids: list[int]
+    n_output: int
+    finish_reason: str | None = None
+    step_tokens: list[int]                       # tokens emitted per engine step (or chunk)
+    step_times: list[float]                      # seconds from the start, per step
+    latency_s: float | None = None
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+    itl_s: list[float] | None = None             # server mode: gaps between chunks
+    drafts: int                                  # metrics.request_counters
+    draft_tokens: int
+    accepted: int
+    accepted_per_pos: list[int]
+    logprob_pass_divergence: int | None = None   # where the logprob pass left this output
+    margin: list[float | None] | None = None     # top-1 minus top-2 logprob per position
+    runner_up: list[int] | None = None           # the top-2 token per position (-1: none)
+
+
+_ARROW = {int: pa.int64(), float: pa.float64(), str: pa.string(),
+          list[int]: pa.list_(pa.int64()), list[float]: pa.list_(pa.float64()),
+          list[float | None]: pa.list_(pa.float64())}
+
+
+def _arrow_type(annotation) -> pa.DataType:
+    args = [a for a in getattr(annotation, "__args__", ()) if a is not type(None)]
+    return _ARROW[args[0] if annotation not in _ARROW and args else annotation]
+
+
+REQUEST_ARROW = pa.schema([(n, _arrow_type(f.annotation))
+                           for n, f in RequestRecord.model_fields.items()])
+
+
+def request_table(requests: Iterable[RequestRecord]) -> pa.Table:
+    """Requests as an arrow table of `REQUEST_ARROW`."""
+    return pa.Table.from_pylist([r.model_dump() for r in requests], schema=REQUEST_ARROW)
+
+
+def read_request_file(source) -> list[RequestRecord]:
+    """The requests of one parquet file (a path or a file object), validated; a file of an
+    older layout (columns missing, null-typed) reads the same."""
+    return [RequestRecord.model_validate(row) for row in pq.read_table(source).to_pylist()]
+
+
 # --------------------------------------------------------------------- where
 def default_run_id(profile_name: str) -> str:
     """The run folder `speclab run`/`sweep` measure into by default: `<profile>-local`,
@@ -110,8 +179,9 @@ def run_dirs(run_id: str, runs_root: Path | None = None, figures_root: Path | No
 
 
 def point_paths(run_dir: Path, point_id: str) -> tuple[Path, Path]:
-    d = Path(run_dir) / "points"
-    return d / f"{point_id}.parquet", d / f"{point_id}.json"
+    """(its requests, its PointResult) of a point."""
+    run_dir = Path(run_dir)
+    return run_dir / "points" / f"{point_id}.parquet", run_dir / "results" / f"{point_id}.json"
 
 
 # --------------------------------------------------------------------- reading
@@ -142,8 +212,6 @@ def _read_point_json(path: Path) -> tuple[dict | None, str | None]:
 
 
 def _records_problem(path: Path, meta: dict) -> str | None:
-    import pyarrow.parquet as pq
-
     try:
         rows = pq.read_metadata(path).num_rows
     except Exception as e:  # noqa: BLE001 - missing, truncated, not parquet: all damaged
@@ -167,8 +235,15 @@ def inspect_point(run_dir: Path, point_id: str, records: bool = True
     return (None if problem else meta), problem
 
 
+class LayoutError(RuntimeError):
+    """A run folder written before `results/` existed (point files inside `points/`)."""
+
+
 def _point_files(run_dir: Path) -> list[Path]:
-    return sorted((Path(run_dir) / "points").glob("[!.]*.json"))
+    if any((Path(run_dir) / "points").glob("[!.]*.json")):
+        raise LayoutError(f"{run_dir}: point files in points/ (the layout before results/); "
+                          f"`python tools/migrate_runs.py {run_dir}` moves them")
+    return sorted((Path(run_dir) / "results").glob("[!.]*.json"))
 
 
 def has_points(run_dir: Path) -> bool:
@@ -205,17 +280,33 @@ def results_for(run_dir: Path, points: Iterable[Any]) -> tuple[pd.DataFrame, pd.
     return pts, recs
 
 
+def requests(run_dir: Path, point_id: str | None = None) -> pd.DataFrame:
+    """Every request of a run's ok points (or of one point), the columns of `RequestRecord`
+    and the two `load_results` takes from the point. When every point finished,
+    `pd.read_parquet(run_dir / "points")` reads the same rows."""
+    recs = load_results(run_dir)[1]
+    return recs if point_id is None or not len(recs) else \
+        recs[recs.point_id == point_id].reset_index(drop=True)
+
+
 def load_results(run_dir: Path) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """(points, records) of a run: one row per point (metadata flattened) and one per request.
+    """(points, requests) of a run: one row per point (metadata flattened) and one per request,
+    with two columns taken from the request's point: `method` (methods.of; None for plain)
+    and `counters_from` (its `request_counters`: "vllm" or "steps").
 
     A damaged file is named in a warning and never passes as ok: an unreadable point JSON is
     left out, an ok point whose records cannot be read gets status "damaged"."""
+    from speclab import methods
+    from speclab.profiles import Point
+
     metas, recs = [], []
     for meta in point_metas(run_dir):
         rec = point_paths(run_dir, meta["point_id"])[0]
         if meta["status"] == "ok":
             try:
-                recs.append(pd.read_parquet(rec))
+                recs.append(pq.read_table(rec, schema=REQUEST_ARROW).to_pandas().assign(
+                    method=methods.of(Point.model_validate(meta["point"])),
+                    counters_from=meta.get("request_counters") or "steps"))
             except Exception as e:  # noqa: BLE001 - missing, truncated, not parquet
                 problem = f"{rec}: unreadable records ({type(e).__name__}: {e})"
                 warnings.warn(problem + "; point marked damaged", stacklevel=2)
@@ -261,21 +352,41 @@ def write_parquet(path: Path, frame: pd.DataFrame) -> None:
     _write_via_temp((Path(path), lambda tmp: frame.to_parquet(tmp, index=False)))
 
 
-def write_point(run_dir: Path, result: PointResult, records: pd.DataFrame | None = None
-                ) -> dict:
-    """Records first, metadata last (a point is finished iff its JSON exists); both are
+def write_point(run_dir: Path, result: PointResult,
+                requests: Iterable[RequestRecord] | None = None) -> dict:
+    """Requests first, metadata last (a point is finished iff its JSON exists); both are
     written in full before either replaces what was there. Returns the metadata written."""
     rec_path, meta_path = point_paths(run_dir, result.point_id)
     meta = {"schema_version": result.schema_version, **result.model_dump(exclude_unset=True)}
     files = [(meta_path, _bytes_writer(json.dumps(meta, indent=1, default=str)))]
-    if records is not None:
-        files.insert(0, (rec_path, lambda tmp: records.to_parquet(tmp, index=False)))
+    if requests is not None:
+        table = request_table(requests)
+        files.insert(0, (rec_path, lambda tmp: pq.write_table(table, tmp)))
     _write_via_temp(*files)
     return meta
 
 
+def migrate(run_dir: Path) -> int:
+    """Bring a run folder to this layout: point files from points/ to results/, every
+    points/*.parquet rewritten as `RequestRecord`s (each row validated). Returns the files
+    changed; a folder already in this layout is left as it is."""
+    run_dir = Path(run_dir)
+    n = 0
+    for meta in sorted((run_dir / "points").glob("[!.]*.json")):
+        (run_dir / "results").mkdir(exist_ok=True)
+        os.replace(meta, run_dir / "results" / meta.name)
+        n += 1
+    for rec in sorted((run_dir / "points").glob("[!.]*.parquet")):
+        if pq.read_schema(rec).remove_metadata() != REQUEST_ARROW:
+            table = request_table(read_request_file(rec))
+            _write_via_temp((rec, lambda tmp: pq.write_table(table, tmp)))
+            n += 1
+    return n
+
+
 def set_aside(run_dir: Path, point_id: str, when: str) -> Path:
-    """Move a point's files (results, logs, specs) to superseded/<when>/; return it."""
+    """Move a point's files (requests, result, logs, specs) to superseded/<when>/; return
+    it."""
     run_dir = Path(run_dir)
     dest = run_dir / "superseded" / when
     rec, meta = point_paths(run_dir, point_id)
@@ -298,22 +409,22 @@ def save_profile(profile: Profile, run_dir: Path, when: str) -> None:
     atomic_write(path, new)
 
 
-def needs_run(run_dir: Path, point_id: str, fp: dict, when: str, log: Callable[[str], Any],
+def needs_run(run_dir: Path, point_id: str, fp: dict, when: str,
               retry_failed: bool = True) -> bool:
     """Whether a point must be measured (again): none on disk, damaged, measured with another
-    fingerprint (both set aside under superseded/<when>/, with one line on `log`), or failed
-    (when retry_failed)."""
+    fingerprint (both set aside under superseded/<when>/, with one line on the log), or
+    failed (when retry_failed)."""
     meta, problem = inspect_point(run_dir, point_id)
     if problem:
         dest = set_aside(run_dir, point_id, when)
-        log(f"point {point_id}: {problem}; moved to {dest}, measuring again")
+        log.warning(f"point {point_id}: {problem}; moved to {dest}, measuring again")
         return True
     if meta is None:
         return True
     if (meta.get("fingerprint") or {}).get("digest") != fp["digest"]:
         why = fingerprint.diff(meta.get("fingerprint"), fp)
         dest = set_aside(run_dir, point_id, when)
-        log(f"point {point_id}: not measured with these settings on this machine ({why}); "
-            f"previous result moved to {dest}, measuring again")
+        log.warning(f"point {point_id}: not measured with these settings on this machine "
+                    f"({why}); previous result moved to {dest}, measuring again")
         return True
     return meta["status"] != "ok" and retry_failed

@@ -26,8 +26,9 @@ AL_METHOD = (f"AL = 1 + accepted/drafts from per-request counters; 95% percentil
              f"over requests ({N_BOOT} resamples)")
 COLUMNS = ["point_id", "status", "mode", "k", "method", "kv_cache_dtype", "draft_kv_cache_dtype",
            "layout", "prompt_format", "concurrency", "repeat", "n_requests", "output_tokens",
-           "al", "al_lo", "al_hi", "al_counters", "tokens_per_step", "drafted_share", "attribution", "throughput_tok_s",
-           "baseline_tok_s", "speedup", "ideal_speedup", "above_ideal", "match_rate",
+           "al", "al_lo", "al_hi", "al_counters", "tokens_per_step", "drafted_share",
+           "attribution", "throughput_tok_s", "tput_lo", "tput_hi", "baseline_tok_s", "speedup",
+           "speedup_lo", "speedup_hi", "n_rounds", "ideal_speedup", "above_ideal", "match_rate",
            "match_lo", "match_hi", "substantive", "generate_s", "warmup_s", "vllm",
            "hardware", "measured_at", "target_revision", "draft_trained_against", "error"]
 # a speedup above AL (the ideal bound AL / (1 + k c) for a free draft, c = 0) cannot come
@@ -57,7 +58,10 @@ def table(run_dir: str | Path) -> pd.DataFrame:
                                     drafted_share=getattr(a, "drafted_share", None))
     spd = analysis.speed(pts)
     for s in spd.itertuples(index=False):
-        rows[s.point_id].update(baseline_tok_s=s.baseline_tok_s, speedup=s.speedup)
+        rows[s.point_id].update(tput_lo=s.tput_lo, tput_hi=s.tput_hi,
+                                baseline_tok_s=s.baseline_tok_s, speedup=s.speedup,
+                                speedup_lo=s.speedup_lo, speedup_hi=s.speedup_hi,
+                                n_rounds=s.n_rounds)
     for row in rows.values():
         if row["k"] and row["k"] > 0 and pd.notna(row.get("al")):
             row["ideal_speedup"] = metrics.ideal_speedup(row["al"], row["k"], draft_cost)
@@ -73,7 +77,7 @@ def table(run_dir: str | Path) -> pd.DataFrame:
                                       match_hi=s["match_hi"], substantive=s["substantive"])
     out = pd.DataFrame(list(rows.values())).reindex(columns=COLUMNS)
     out["concurrency"] = out["concurrency"].astype("Int64")
-    for col in ("k", "repeat", "n_requests", "output_tokens", "substantive"):
+    for col in ("k", "repeat", "n_requests", "output_tokens", "substantive", "n_rounds"):
         out[col] = pd.to_numeric(out[col]).astype("Int64")
     out["above_ideal"] = out["above_ideal"].astype("boolean")
     return out.sort_values(["mode", "layout", "kv_cache_dtype", "prompt_format", "k",
@@ -265,8 +269,10 @@ def findings(t: pd.DataFrame, speed_ok: bool = True) -> list[str]:
             note = (f"ideal bound AL/(1+k·c) {b.ideal_speedup:.2f}x"
                     + (": above it, so the draft costs less than the profile's draft_cost c "
                        "assumes" if b.speedup > b.ideal_speedup else ""))
+            ci = (f"95% CI {b.speedup_lo:.2f}–{b.speedup_hi:.2f}x over {b.n_rounds} timing "
+                  "rounds" if pd.notna(b.speedup_lo) else "one timing round, no CI")
             out.append(f"Best measured speedup over plain decoding: {b.speedup:.2f}x at k = "
-                       f"{b.k} ({b.point_id}; {note}; one timed pass, no CI).")
+                       f"{b.k} ({b.point_id}; {note}; {ci}).")
         elif len(sp):
             out.append("No speedup is reported: the throughputs of this run are not speed "
                        "results (see Caveats).")
@@ -296,18 +302,20 @@ def display_table(t: pd.DataFrame) -> pd.DataFrame:
                                                               "engine" else ""),
             "tok/step": "–" if pd.isna(r.tokens_per_step) else f"{r.tokens_per_step:.2f}",
             "N req": r.n_requests,
-            "tok/s": "–" if pd.isna(r.throughput_tok_s) else f"{r.throughput_tok_s:.1f}",
-            "speedup": "–" if pd.isna(r.speedup) or not r.k else f"{r.speedup:.2f}x"
+            "tok/s [95% CI]": fmt_ci(r.throughput_tok_s, r.tput_lo, r.tput_hi, 1),
+            "speedup [95% CI]": "–" if pd.isna(r.speedup) or not r.k else
+            fmt_ci(r.speedup, r.speedup_lo, r.speedup_hi) + "x"
             + (" ⚠ above AL: not a speed result" if pd.notna(r.above_ideal) and r.above_ideal
                else ""),
+            "rounds": "–" if pd.isna(r.n_rounds) or not r.k else str(r.n_rounds),
             "ideal": "–" if pd.isna(r.ideal_speedup) else f"{r.ideal_speedup:.2f}x",
             "parity": "–" if pd.isna(r.match_rate) else fmt_ci(r.match_rate, r.match_lo,
                                                                r.match_hi),
             "concurrency": "–" if pd.isna(r.concurrency) else str(r.concurrency),
         })
-    df = pd.DataFrame(rows, columns=["point", "status", "k", "method", "AL [95% CI]", "tok/step",
-                                     "N req", "tok/s",
-                                     "speedup", "ideal", "parity", "concurrency"])
+    df = pd.DataFrame(rows, columns=["point", "status", "k", "method", "AL [95% CI]",
+                                     "tok/step", "N req", "tok/s [95% CI]", "speedup [95% CI]",
+                                     "rounds", "ideal", "parity", "concurrency"])
     if (df.concurrency == "–").all():
         df = df.drop(columns="concurrency")
     return df.set_index("point")

@@ -8,16 +8,18 @@ every point alike.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Iterable
 
 from speclab import executors, fingerprint, launch, memory, runlock, store
-from speclab import progress as prog
 from speclab.profiles import Point, Profile, expand
+
+log = logging.getLogger(__name__)
 
 
 def run(profile: Profile, run_dir: Path, points: Iterable[Point] | None = None, *,
-        retry_failed: bool = True, progress: bool = True, log=print) -> list[dict]:
+        retry_failed: bool = True) -> list[dict]:
     """Run every unfinished point with the profile's executor (speclab.executors: each point
     in a fresh worker process, here or on a Ray cluster); return their metadata.
 
@@ -29,13 +31,11 @@ def run(profile: Profile, run_dir: Path, points: Iterable[Point] | None = None, 
     points in order (other points, e.g. parity arms, are timed once); on Ray each point takes
     its rounds back to back on its own node, in the task that measured it.
     Points run through the profile's executor (`speclab.executors`: local, or Ray).
-    Ctrl-C stops the workers in flight and keeps everything already written. Progress: one
-    line per point (status, node, duration, ETA) and the fixture builds' steps (`speclab.progress`)."""
-    if progress:
-        prog.log_to_stdout()
+    Ctrl-C stops the workers in flight and keeps everything already written. Progress (the
+    `speclab.sweep` logger): one line per point (status, node, duration, ETA)."""
     run_dir = Path(run_dir)
     points = list(points if points is not None else expand(profile))
-    with runlock.hold(run_dir, log):
+    with runlock.hold(run_dir):
         (run_dir / "points").mkdir(parents=True, exist_ok=True)
         (run_dir / "logs").mkdir(exist_ok=True)
         launch.prepare_models(profile, points)
@@ -44,26 +44,25 @@ def run(profile: Profile, run_dir: Path, points: Iterable[Point] | None = None, 
         where = executors.placement(profile)
         fps = {p.id: fingerprint.of_point(profile, p, placement=where) for p in points}
         todo = {p.id for p in points
-                if store.needs_run(run_dir, p.id, fps[p.id], stamp, log, retry_failed)}
+                if store.needs_run(run_dir, p.id, fps[p.id], stamp, retry_failed)}
         results = {p.id: store.read_meta(run_dir, p.id) for p in points if p.id not in todo}
-        if progress and results:
-            log(f"{prog.PREFIX} sweep {profile.name}: {len(results)} of {len(points)} points "
-                "measured earlier with these settings, kept")
+        if results:
+            log.info(f"sweep {profile.name}: {len(results)} of {len(points)} points "
+                     "measured earlier with these settings, kept")
         run = list({p.id: p for p in points if p.id in todo}.values())
         refused = memory.refusals(profile, run, memory.gpu_for(profile))
         for point in run:
             if point.id in refused:
-                log(f"point {point.id} not started: {refused[point.id]}")
+                log.warning(f"point {point.id} not started: {refused[point.id]}")
                 fp = fps[point.id]
                 results[point.id] = store.write_point(run_dir, store.PointResult(
                     point_id=point.id, status="error", point=point.model_dump(mode="json"),
                     error=refused[point.id], fingerprint=fp,
                     sampling=fp["parts"]["sampling"]))
         run = [p for p in run if p.id not in refused]
-        for meta in executors.execute(profile, run_dir, run, log=log if progress else None,
-                                      fps=fps):
+        for meta in executors.execute(profile, run_dir, run, fps=fps):
             if meta["status"] != "ok":
-                log(f"point {meta['point_id']} failed: {meta['error']}")
+                log.warning(f"point {meta['point_id']} failed: {meta['error']}")
             results[meta["point_id"]] = meta
         grid = {p.id for p in expand(profile)}  # extra points (parity, formats): timed once
         # Ray: each point's rounds ran in its own task, on its node (executor_ray.run_on_node)
@@ -71,9 +70,9 @@ def run(profile: Profile, run_dir: Path, points: Iterable[Point] | None = None, 
         for rnd in range(2, rounds + 1):
             due = [p for p in points if p.id in grid and results[p.id]["status"] == "ok"
                    and len(results[p.id].get("passes", [])) < rnd]
-            if progress and due:
-                log(f"{prog.PREFIX} sweep {profile.name}: timing round {rnd} of "
-                    f"{profile.timed_passes}, {len(due)} point(s)")
+            if due:
+                log.info(f"sweep {profile.name}: timing round {rnd} of "
+                         f"{profile.timed_passes}, {len(due)} point(s)")
             for point in due:
-                results[point.id] = launch.timing_round(profile, point, run_dir, rnd, log)
+                results[point.id] = launch.timing_round(profile, point, run_dir, rnd)
     return [results[p.id] for p in points]

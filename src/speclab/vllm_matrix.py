@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import re
 import subprocess
@@ -19,6 +20,7 @@ from pathlib import Path
 
 from speclab.releases import FIRST, RELEASES, horizon, vkey  # noqa: F401 (the matrix's releases)
 
+log = logging.getLogger(__name__)
 REPO = Path(__file__).resolve().parents[2]
 MATRIX_JSON = REPO / "data" / "vllm_matrix.json"
 MATRIX_MD = REPO / "data" / "vllm_matrix.md"
@@ -94,7 +96,7 @@ def build(versions, previous: dict | None = None, delete_wheels: bool = False) -
     releases = dict((previous or {}).get("releases", {}))
     for version in versions:
         releases[version] = release_entry(version)
-        print(f"vLLM {version}: {plan_summary(releases[version]['plan'])}", file=sys.stderr)
+        log.info(f"vLLM {version}: {plan_summary(releases[version]['plan'])}")
         if delete_wheels:
             wheel(version).unlink()
     ordered = dict(sorted(releases.items(), key=lambda kv: vkey(kv[0])))

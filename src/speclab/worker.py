@@ -17,15 +17,14 @@ import traceback
 from pathlib import Path
 
 import numpy as np
-import pandas as pd
 
 from speclab import (convention, engine, fingerprint, launch, methods, metrics, prompts,
                      revisions, store)
 from speclab.profiles import Point, Profile, prompt_file, resolve_model
 
 
-def records_frame(profile: Profile, point: Point, plist, prompt_ids, traces) -> pd.DataFrame:
-    """One row per request: outputs, per-step token counts and times, per-request counters,
+def request_records(point: Point, plist, prompt_ids, traces) -> list[store.RequestRecord]:
+    """One record per request: outputs, per-step token counts and times, per-request counters,
     and (plain runs) the top-1/top-2 logprob margin at each position (from an untimed pass)."""
     rows = []
     for p, ids, tr in zip(plist, prompt_ids, traces):
@@ -35,9 +34,8 @@ def records_frame(profile: Profile, point: Point, plist, prompt_ids, traces) -> 
         out = tr.get("output_token_ids", [])
         times = tr["step_times"]
         lps = tr.get("logprobs") or []
-        rows.append({
-            "point_id": point.id, "k": point.k, "method": methods.of(point),
-            "kv_cache_dtype": point.kv_cache_dtype,
+        rows.append(store.RequestRecord(**{
+            "point_id": point.id, "k": point.k, "kv_cache_dtype": point.kv_cache_dtype,
             "draft_kv_cache_dtype": point.draft_kv_cache_dtype, "layout": point.layout.label,
             "prompt_format": point.prompt_format, "repeat": point.repeat,
             "concurrency": point.concurrency or len(plist),
@@ -48,15 +46,13 @@ def records_frame(profile: Profile, point: Point, plist, prompt_ids, traces) -> 
             "tpot_s": (times[-1] - times[0]) / (len(out) - 1) if len(out) > 1 else None,
             "drafts": c.num_drafts, "draft_tokens": c.num_draft_tokens,
             "accepted": c.num_accepted_tokens, "accepted_per_pos": list(c.accepted_per_pos),
-            # "vllm": the scheduler's own per-request counts; "steps": from the step trace
-            "counters_from": "vllm" if tr.get("spec_decode") else "steps",
             # margins come from a second pass; where it diverged from this output (None:
             # never), later margins belong to another sequence
             "logprob_pass_divergence": tr.get("logprob_pass_divergence"),
             "margin": [e[0][1] - e[1][1] if len(e) > 1 else np.inf for e in lps],
             "runner_up": [e[1][0] if len(e) > 1 else -1 for e in lps],
-        })
-    return pd.DataFrame(rows)
+        }))
+    return rows
 
 
 def timed_pass(llm, prompt_ids, sp, concurrency) -> tuple[list[dict], dict]:
@@ -149,17 +145,19 @@ def main(spec_path: str) -> int:
                     tr["logprobs"] = lp["logprobs"]
                     tr["logprob_pass_divergence"] = metrics.first_divergence(
                         tr["output_token_ids"], lp["output_token_ids"])
-        records = records_frame(profile, point, plist, prompt_ids, traces)
-        from_steps = sum((metrics.SpecCounters(d, dt, a, tuple(app)) for d, dt, a, app in zip(
-            records.drafts, records.draft_tokens, records.accepted, records.accepted_per_pos)),
-            metrics.SpecCounters())
-        n_out = int(records.n_output.sum())
+        records = request_records(point, plist, prompt_ids, traces)
+        from_steps = sum((metrics.SpecCounters(r.drafts, r.draft_tokens, r.accepted,
+                                               tuple(r.accepted_per_pos)) for r in records),
+                         metrics.SpecCounters())
+        n_out = sum(r.n_output for r in records)
         meta.update(
             status="ok", counters=delta.to_dict(), counters_from_steps=from_steps.to_dict(),
             attribution=metrics.attribution(delta, from_steps, sum(
                 metrics.dropped_rounds(tr["step_tokens"], tr.get("finish_reason") is not None)
                 for tr in traces if not tr.get("spec_decode")) if point.k else 0),
             n_requests=len(records), output_tokens=n_out,
+            # vLLM's own per-request counts (ngram on vLLM 0.32), else the step trace's
+            request_counters="vllm" if any(tr.get("spec_decode") for tr in traces) else "steps",
             throughput_tok_s=n_out / t["generate_s"], passes=[{**passed, "round": 1}],
             versions=engine.versions(), host=socket.gethostname(),
         )

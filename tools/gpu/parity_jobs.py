@@ -53,10 +53,10 @@ def add_jobs(job, sweep, stamp: str, py: str = sys.executable) -> list[str]:
 
 def run_groups(profile: str, run: str, names: list[str]) -> int:
     """Run the named one-engine groups (all when none named) of the profile's parity plan."""
-    from speclab import multipass, parity, profiles, store
+    from speclab import multipass, parity, preflight, profiles, store
 
     prof = profiles.load(profile)
-    problems = profiles.check_env(prof)
+    problems = preflight.check_env(prof)
     if problems:
         print("\n".join(problems), file=sys.stderr)
         return 2

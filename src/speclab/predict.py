@@ -244,11 +244,13 @@ def extrapolate(costs: pd.DataFrame, drafts: pd.DataFrame, rates, layers: int =
 
 def memory_check(run_dir: Path) -> pd.DataFrame:
     """Per engine of a gpubench run: `speclab.memory`'s weight estimate (target, plus the
-    draft for k > 0) beside vLLM's "Model loading took ... GiB", and the error."""
+    draft for k > 0) at the engine's max_num_batched_tokens beside vLLM's "Model loading
+    took ... GiB", and the error."""
     import re
 
     from speclab import memory
     from speclab.fixtures import realshape
+    from speclab.gpubench import MAX_BATCHED
 
     rows = []
     for path in sorted(Path(run_dir).rglob("engines.jsonl")):
@@ -258,8 +260,11 @@ def memory_check(run_dir: Path) -> pd.DataFrame:
                     if (m := re.search(r"Model loading took ([\d.]+) GiB", f))]
             if not took:
                 continue
+            batched = [int(m.group(1)) for f in e.get("log_facts", [])
+                       if (m := re.search(r"'max_num_batched_tokens': (\d+)", f))]
             cfg = realshape.realshape_config(e["layers"], e.get("expert_dtype", "fp4"))
-            est = memory.per_gpu(memory.Files(config=cfg, source="config"), 1)[0]
+            est = memory.per_gpu(memory.Files(config=cfg, source="config"), 1,
+                                 (batched or [MAX_BATCHED])[-1])[0]
             if e["k"]:
                 est += sum(memory.weight_bytes(realshape.draft_config(cfg)))
             rows.append({"engine": e["engine"], "estimate_gib": est / 2 ** 30,

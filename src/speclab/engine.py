@@ -142,6 +142,9 @@ def generate_stepwise(llm, prompts: list[list[int]], sampling_params,
     tokens it gained at every step (1 + accepted drafts under speculation) and when.
 
     concurrency: at most this many requests in flight (None: all at once; 1: one by one)."""
+    if getattr(getattr(sampling_params, "output_kind", None), "name", None) == "FINAL_ONLY":
+        raise ValueError("stepped generation needs every step's output, not FINAL_ONLY "
+                         "(LLM.generate sets that on the SamplingParams it was given)")
     engine = llm.llm_engine
     pending = list(range(len(prompts)))[::-1]
     traces = [{"step_tokens": [], "step_times": [], "n": 0} for _ in prompts]

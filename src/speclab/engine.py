@@ -22,6 +22,10 @@ DRAFT_KV_ENV = "EAGLE3_DRAFT_KV_CACHE_DTYPE"
 # (it reads the device's free memory, which the other jobs change while it runs).
 GPU_UTIL_ENV = "SPECLAB_GPU_MEMORY_UTILIZATION"
 KV_BYTES_ENV = "SPECLAB_KV_CACHE_MEMORY_BYTES"
+# vLLM >= 0.29 reports each request's spec-decode counters itself at this level ("detailed":
+# the histogram of accepted drafts per verify step plus the per-step arrays); metrics.attribute
+# reads them, the stepped engine and streamed chunks cross-check them.
+REQUEST_METRICS = ("per_request_spec_decode_metrics", "detailed")
 
 
 def gpu_share(args: dict[str, Any], env=None) -> dict[str, Any]:
@@ -53,13 +57,27 @@ def native_draft_kv_dtype() -> bool:
     return "kv_cache_dtype" in fields
 
 
+def native_request_metrics() -> bool:
+    """Whether the installed vLLM reports each request's spec-decode counters itself (the
+    engine argument `per_request_spec_decode_metrics`, vLLM >= 0.29), read from its source;
+    False without vLLM."""
+    from speclab import preflight
+
+    try:
+        return REQUEST_METRICS[0] in preflight.engine_arg_names()
+    except ModuleNotFoundError:
+        return False
+
+
 def engine_args(profile, point, target: str, draft: str | None,
-                native_draft_kv: bool = True) -> tuple[dict[str, Any], dict[str, str]]:
+                native_draft_kv: bool = True, request_metrics: bool = False
+                ) -> tuple[dict[str, Any], dict[str, str]]:
     """`LLM(**args)` keyword arguments and extra environment for one point.
 
     The draft's KV dtype always goes into the overlay's env var (read by vLLM < 0.26 with the
     overlay; harmless elsewhere) and, where vLLM has the field (native_draft_kv), into
-    speculative_config.kv_cache_dtype too."""
+    speculative_config.kv_cache_dtype too. request_metrics (`native_request_metrics()`): a
+    speculative point asks vLLM for each request's counters (vLLM refuses it without a draft)."""
     lay = point.layout
     if lay.dp > 1:
         raise ValueError(f"{point.id}: data parallel (dp={lay.dp}) needs server mode; "
@@ -89,6 +107,8 @@ def engine_args(profile, point, target: str, draft: str | None,
         args["speculative_config"] = spec
         env[DRAFT_KV_ENV] = point.draft_kv_cache_dtype
         env.update(convention.point_env(profile, point))
+    if point.k > 0 and request_metrics:  # a profile's own setting wins
+        args.setdefault(*REQUEST_METRICS)
     return gpu_share(args), env
 
 
@@ -139,7 +159,8 @@ def open_llm(args: dict[str, Any]) -> Iterator[Any]:
 def generate_stepwise(llm, prompts: list[list[int]], sampling_params,
                       concurrency: int | None = None) -> list[dict]:
     """Generate from token-id prompts by stepping the engine, recording for each request the
-    tokens it gained at every step (1 + accepted drafts under speculation) and when.
+    tokens it gained at every step (1 + accepted drafts under speculation) and when, and
+    (`spec_decode`) vLLM's own per-request counters where the engine reports them.
 
     concurrency: at most this many requests in flight (None: all at once; 1: one by one)."""
     if getattr(getattr(sampling_params, "output_kind", None), "name", None) == "FINAL_ONLY":
@@ -175,6 +196,7 @@ def generate_stepwise(llm, prompts: list[list[int]], sampling_params,
                 tr["output_token_ids"] = list(comp.token_ids)
                 tr["finish_reason"] = comp.finish_reason
                 tr["logprobs"] = _top_logprobs(comp.logprobs)
+                tr["spec_decode"] = spec_decode_metrics(comp)
                 tr["latency_s"] = now - tr["t_submit"]
                 in_flight -= 1
                 if pending:
@@ -183,6 +205,14 @@ def generate_stepwise(llm, prompts: list[list[int]], sampling_params,
         tr.pop("n")
         tr.pop("t_submit")
     return traces
+
+
+def spec_decode_metrics(completion) -> dict | None:
+    """vLLM's per-request spec-decode counters of a finished `CompletionOutput` (vLLM >= 0.29
+    with `per_request_spec_decode_metrics`), as the server returns them in
+    `metrics.speculative_decoding`; None where the engine has none."""
+    sd = getattr(completion, "spec_decode_metrics", None)
+    return None if sd is None else sd.to_dict()
 
 
 def _top_logprobs(logprobs) -> list[list[tuple[int, float]]] | None:

@@ -72,9 +72,13 @@ class PointResult(BaseModel):
     host: str | None = None
     aux_convention: dict | None = None
     counters: dict | None = None                 # metrics.SpecCounters.to_dict(), engine's
-    counters_from_steps: dict | None = None      # the same, counted from the steps
+    counters_from_steps: dict | None = None      # the same, counted from steps or chunks
+    counters_native: dict | None = None          # the same, vLLM's per-request counters
     server_counters_total: dict | None = None
-    attribution: str | None = None               # how the two counts relate
+    # where the requests' counters came from (absent: stepped offline, chunks in server mode)
+    attribution_source: Literal["native", "stepped", "chunks"] | None = None
+    attribution: str | None = None               # their sum against `counters`
+    cross_check: dict | None = None              # native: what the steps or chunks say
     attribution_exact: bool | None = None        # runs before `attribution` existed
     n_requests: int | None = None                # rows of points/<point-id>.parquet
     output_tokens: int | None = None
@@ -117,7 +121,7 @@ class RequestRecord(BaseModel):
     ttft_s: float | None = None
     tpot_s: float | None = None
     itl_s: list[float] | None = None             # server mode: gaps between chunks
-    drafts: int                                  # metrics.request_counters
+    drafts: int                                  # metrics.attribute (point's source)
     draft_tokens: int
     accepted: int
     accepted_per_pos: list[int]

@@ -147,8 +147,8 @@ def main(spec_path: str) -> int:
         n_out = sum(r.n_output for r in records)
         meta.update(
             status="ok", counters=delta.to_dict(), **attributed, n_requests=len(records),
-            output_tokens=n_out, throughput_tok_s=n_out / t["generate_s"], passes=[{**passed, "round": 1}],
-            versions=engine.versions(), host=socket.gethostname(),
+            output_tokens=n_out, throughput_tok_s=n_out / t["generate_s"],
+            passes=[{**passed, "round": 1}], versions=engine.versions(), host=socket.gethostname(),
         )
         t["harness_s"] += time.perf_counter() - h3
         meta.update(timings=t, finished_at=time.time(), wall_s=time.time() - started)

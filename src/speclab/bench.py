@@ -60,8 +60,12 @@ def main(profile_name: str, k: int, run_id: str) -> int:
 def overhead(profile_name: str, k: int, rounds: int) -> int:
     """Stepped generation (`engine.generate_stepwise`, what the sweep times) against
     `LLM.generate` on one engine and the same prompts, in `rounds` rounds whose order
-    alternates; prints each round and the time ratio stepped/generate (geometric mean with a
-    95% t-interval). Both must give the same greedy tokens."""
+    alternates; prints each round and the ratios stepped/generate of wall time and of this
+    process's CPU time (geometric means with 95% t-intervals). CPU time counts the engine's
+    work only where it runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, as in
+    tiny-cpu) and moves less than wall time when other jobs share the cores. Both must give
+    the same greedy tokens and, where vLLM reports each request's spec-decode counters
+    (`engine.native_request_metrics`), the same counters."""
     import os
 
     prof = profiles.load(profile_name)
@@ -75,41 +79,53 @@ def overhead(profile_name: str, k: int, rounds: int) -> int:
                          categories=prof.prompts.categories, seed=prof.prompts.seed)
     target = profiles.resolve_model(prof.target)
     draft = profiles.resolve_model(prof.draft) if k else None
-    args, env = engine.engine_args(prof, point, target, draft, engine.native_draft_kv_dtype())
+    args, env = engine.engine_args(prof, point, target, draft, engine.native_draft_kv_dtype(),
+                                   engine.native_request_metrics())
     os.environ.update(env)
-    sp = SamplingParams(temperature=prof.temperature, max_tokens=prof.max_tokens,
-                        ignore_eos=prof.ignore_eos, seed=prof.seed,
-                        detokenize=not prof.skip_tokenizer_init)
+    # one SamplingParams per call: LLM.generate sets its own to FINAL_ONLY, which would leave
+    # the stepped pass with one output per request
+    sp_args = dict(temperature=prof.temperature, max_tokens=prof.max_tokens,
+                   ignore_eos=prof.ignore_eos, seed=prof.seed,
+                   detokenize=not prof.skip_tokenizer_init)
     with engine.open_llm(args) as llm:
         tok = None if prof.skip_tokenizer_init else llm.get_tokenizer()
         ids = prompts.to_token_ids(plist, tok, point.prompt_format)
         inputs = [{"prompt_token_ids": x} for x in ids]
 
         def stepped():
-            t0 = time.perf_counter()
-            out = engine.generate_stepwise(llm, ids, sp, point.concurrency)
-            return time.perf_counter() - t0, [tr["output_token_ids"] for tr in out]
+            out = engine.generate_stepwise(llm, ids, SamplingParams(**sp_args),
+                                           point.concurrency)
+            return [(tr["output_token_ids"], tr["spec_decode"]) for tr in out]
 
         def plain():
-            t0 = time.perf_counter()
-            out = llm.generate(inputs, sp, use_tqdm=False)
-            return time.perf_counter() - t0, [list(o.outputs[0].token_ids) for o in out]
+            out = llm.generate(inputs, SamplingParams(**sp_args), use_tqdm=False)
+            return [(list(o.outputs[0].token_ids), engine.spec_decode_metrics(o.outputs[0]))
+                    for o in out]
 
         stepped(), plain()  # warm-up: shapes and sampling paths
-        times: dict[str, list[float]] = {"stepped": [], "generate": []}
+        times: dict[tuple[str, str], list[float]] = {
+            (name, clock): [] for name in ("stepped", "generate") for clock in ("wall", "cpu")}
         print(f"BENCH stepping-overhead profile={prof.name} point={point.id} "
-              f"requests={len(ids)} max_tokens={prof.max_tokens} rounds={rounds}")
+              f"requests={len(ids)} max_tokens={prof.max_tokens} rounds={rounds} "
+              f"native_request_metrics={args.get(engine.REQUEST_METRICS[0], 'off')} "
+              f"engine_in_process={os.environ.get('VLLM_ENABLE_V1_MULTIPROCESSING') == '0'} "
+              f"load_avg_1m={os.getloadavg()[0]:.1f}")
         for r in range(rounds):
             order = (("stepped", stepped), ("generate", plain))[:: 1 if r % 2 == 0 else -1]
             outs = {}
             for name, fn in order:
-                dt, outs[name] = fn()
-                times[name].append(dt)
-            if outs["stepped"] != outs["generate"]:
-                print(f"  round {r + 1}: outputs differ (stepped vs generate)")
-            print(f"  round {r + 1}: stepped {times['stepped'][-1]:.3f} s, generate "
-                  f"{times['generate'][-1]:.3f} s")
-    ratio, lo, hi = analysis.ratio_ci(times["stepped"], times["generate"])
-    print(f"  stepped/generate time ratio {ratio:.4f} [95% CI {lo:.4f}, {hi:.4f}] over "
-          f"{rounds} rounds ({(ratio - 1) * 100:+.2f}%)")
+                w0, c0 = time.perf_counter(), time.process_time()
+                outs[name] = fn()
+                times[name, "wall"].append(time.perf_counter() - w0)
+                times[name, "cpu"].append(time.process_time() - c0)
+            for what, i in (("outputs", 0), ("per-request counters", 1)):
+                if [o[i] for o in outs["stepped"]] != [o[i] for o in outs["generate"]]:
+                    print(f"  round {r + 1}: {what} differ (stepped vs generate)")
+            print(f"  round {r + 1}: " + ", ".join(
+                f"{name} {times[name, 'wall'][-1]:.3f} s (CPU {times[name, 'cpu'][-1]:.3f} s)"
+                for name in ("stepped", "generate")) + f", load {os.getloadavg()[0]:.1f}")
+    for clock, what in (("wall", "time"), ("cpu", "CPU time")):
+        ratio, lo, hi = analysis.ratio_ci(times["stepped", clock], times["generate", clock])
+        print(f"  stepped/generate {what} ratio {ratio:.4f} [95% CI {lo:.4f}, {hi:.4f}] over "
+              f"{rounds} rounds ({(ratio - 1) * 100:+.2f}%)")
     return 0

@@ -23,6 +23,10 @@ DRAFT_KV_ENV = "EAGLE3_DRAFT_KV_CACHE_DTYPE"
 # (it reads the device's free memory, which the other jobs change while it runs).
 GPU_UTIL_ENV = "SPECLAB_GPU_MEMORY_UTILIZATION"
 KV_BYTES_ENV = "SPECLAB_KV_CACHE_MEMORY_BYTES"
+# vLLM >= 0.29 reports each request's spec-decode counters itself at this level ("detailed":
+# the histogram of accepted drafts per verify step plus the per-step arrays); metrics.attribute
+# reads them, the stepped engine and streamed chunks cross-check them.
+REQUEST_METRICS = ("per_request_spec_decode_metrics", "detailed")
 
 
 def gpu_share(args: dict[str, Any], env=None) -> dict[str, Any]:
@@ -45,17 +49,6 @@ def gpu_share(args: dict[str, Any], env=None) -> dict[str, Any]:
 
 
 @cache
-def request_metrics() -> bool:
-    """Whether the installed vLLM reports spec-decode counters per request
-    (`per_request_spec_decode_metrics`, vllm 0.32; not in 0.26)."""
-    from speclab import preflight
-
-    try:
-        return "per_request_spec_decode_metrics" in preflight.engine_arg_names()
-    except (ModuleNotFoundError, OSError, SyntaxError, StopIteration, AttributeError):
-        return False
-
-
 def native_draft_kv_dtype() -> bool:
     """Whether the installed vLLM has `speculative_config.kv_cache_dtype` (>= 0.26); older
     ones take the draft KV dtype from the overlay's env var."""
@@ -66,14 +59,29 @@ def native_draft_kv_dtype() -> bool:
     return "kv_cache_dtype" in fields
 
 
+def native_request_metrics() -> bool:
+    """Whether the installed vLLM reports each request's spec-decode counters itself (the
+    engine argument `per_request_spec_decode_metrics`, vLLM >= 0.29), read from its source;
+    False without vLLM."""
+    from speclab import preflight
+
+    try:
+        return REQUEST_METRICS[0] in preflight.engine_arg_names()
+    except (ModuleNotFoundError, OSError, SyntaxError, StopIteration, AttributeError):
+        return False
+
+
 def engine_args(profile, point, target: str, draft: str | None,
-                native_draft_kv: bool = True) -> tuple[dict[str, Any], dict[str, str]]:
+                native_draft_kv: bool = True, request_metrics: bool = False
+                ) -> tuple[dict[str, Any], dict[str, str]]:
     """`LLM(**args)` keyword arguments and extra environment for one point
     (`methods.speculative_config` for speculative points).
 
     An eagle3 draft's KV dtype always goes into the overlay's env var (read by vLLM < 0.26
     with the overlay; harmless elsewhere) and, where vLLM has the field (native_draft_kv),
-    into speculative_config.kv_cache_dtype too."""
+    into speculative_config.kv_cache_dtype too. request_metrics (`native_request_metrics()`):
+    a speculative point asks vLLM for each request's counters (for ngram the only way to know
+    which steps carried a draft)."""
     lay = point.layout
     if lay.dp > 1:
         raise ValueError(f"{point.id}: data parallel (dp={lay.dp}) needs server mode; "
@@ -101,13 +109,11 @@ def engine_args(profile, point, target: str, draft: str | None,
     if point.k > 0:
         args["speculative_config"] = methods.speculative_config(profile, point, draft,
                                                                 native_draft_kv)
-        if methods.of(point) in methods.SKIPS_STEPS and request_metrics():
-            # ngram drafts only where the lookup matches: which steps carried a draft is
-            # known only to the scheduler, which reports it per request
-            args["per_request_spec_decode_metrics"] = "summary"
     if methods.uses_draft(methods.of(point)):
         env[DRAFT_KV_ENV] = point.draft_kv_cache_dtype
         env.update(convention.point_env(profile, point))
+    if point.k > 0 and request_metrics:  # a profile's own setting wins
+        args.setdefault(*REQUEST_METRICS)
     return gpu_share(args), env
 
 
@@ -158,9 +164,13 @@ def open_llm(args: dict[str, Any]) -> Iterator[Any]:
 def generate_stepwise(llm, prompts: list[list[int]], sampling_params,
                       concurrency: int | None = None) -> list[dict]:
     """Generate from token-id prompts by stepping the engine, recording for each request the
-    tokens it gained at every step (1 + accepted drafts under speculation) and when.
+    tokens it gained at every step (1 + accepted drafts under speculation) and when, and
+    (`spec_decode`) vLLM's own per-request counters where the engine reports them.
 
     concurrency: at most this many requests in flight (None: all at once; 1: one by one)."""
+    if getattr(getattr(sampling_params, "output_kind", None), "name", None) == "FINAL_ONLY":
+        raise ValueError("stepped generation needs every step's output, not FINAL_ONLY "
+                         "(LLM.generate sets that on the SamplingParams it was given)")
     engine = llm.llm_engine
     pending = list(range(len(prompts)))[::-1]
     traces = [{"step_tokens": [], "step_times": [], "n": 0} for _ in prompts]
@@ -188,11 +198,10 @@ def generate_stepwise(llm, prompts: list[list[int]], sampling_params,
                 tr["step_times"].append(now - tr["t_submit"])
                 tr["n"] = n
             if o.finished:
-                if getattr(comp, "spec_decode_metrics", None) is not None:
-                    tr["spec_decode"] = comp.spec_decode_metrics.to_dict()
                 tr["output_token_ids"] = list(comp.token_ids)
                 tr["finish_reason"] = comp.finish_reason
                 tr["logprobs"] = _top_logprobs(comp.logprobs)
+                tr["spec_decode"] = spec_decode_metrics(comp)
                 tr["latency_s"] = now - tr["t_submit"]
                 in_flight -= 1
                 if pending:
@@ -201,6 +210,14 @@ def generate_stepwise(llm, prompts: list[list[int]], sampling_params,
         tr.pop("n")
         tr.pop("t_submit")
     return traces
+
+
+def spec_decode_metrics(completion) -> dict | None:
+    """vLLM's per-request spec-decode counters of a finished `CompletionOutput` (vLLM >= 0.29
+    with `per_request_spec_decode_metrics`), as the server returns them in
+    `metrics.speculative_decoding`; None where the engine has none."""
+    sd = getattr(completion, "spec_decode_metrics", None)
+    return None if sd is None else sd.to_dict()
 
 
 def _top_logprobs(logprobs) -> list[list[tuple[int, float]]] | None:

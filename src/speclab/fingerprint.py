@@ -129,7 +129,8 @@ def of_point(profile, point, *, mode: str = "offline", placement: dict | None = 
     target = model_identity(profile.target, profile.target_revision)
     draft = model_identity(profile.draft if methods.uses_draft(methods.of(point)) else None,
                            profile.draft_revision)
-    args, env = engine.engine_args(profile, point, target, draft, native_draft_kv=True)
+    args, env = engine.engine_args(profile, point, target, draft, native_draft_kv=True,
+                                   request_metrics=engine.native_request_metrics())
     parts = {"method": METHOD, "mode": mode, "engine_args": args, "env": engine_env(env),
              "sampling": sampling(profile, point),
              "prompts": {**prompt_set(profile), "format": point.prompt_format},

@@ -240,17 +240,6 @@ def request_counters(step_tokens: Sequence[int], k: int, *, finished: bool = Fal
     return SpecCounters(len(emitted), k * len(emitted), sum(per_pos), tuple(per_pos))
 
 
-def engine_request_counters(spec: dict, k: int) -> SpecCounters:
-    """Counters of one request as vLLM's scheduler counted them (its per-request
-    `spec_decode_metrics`, vLLM >= 0.32 with per_request_spec_decode_metrics): only verify
-    steps that carried a draft, the final one included. `acceptance_histogram[j]` counts
-    steps that accepted j drafts, so position i was accepted in the steps with j > i."""
-    hist = list(spec["acceptance_histogram"])
-    per_pos = tuple(sum(hist[i + 1:]) for i in range(k))
-    return SpecCounters(int(spec["num_spec_steps"]), int(spec["num_draft_tokens"]),
-                        int(spec["num_accepted_draft_tokens"]), per_pos)
-
-
 def dropped_rounds(step_tokens: Sequence[int], finished: bool) -> int:
     """1 if `request_counters(..., finished=finished)` leaves out a final verify round."""
     return int(finished and sum(n > 0 for n in step_tokens) >= 2)
@@ -268,6 +257,66 @@ def attribution(engine: SpecCounters, requests: SpecCounters, n_dropped: int) ->
     ok = (diff.num_drafts == n_dropped and diff.num_draft_tokens == k * n_dropped
           and all(0 <= d <= n_dropped for d in diff.accepted_per_pos))
     return "consistent" if ok else "mismatch"
+
+
+def native_counters(spec_decode: dict) -> SpecCounters:
+    """One request's counters as vLLM reports them itself (vLLM >= 0.29 with
+    `per_request_spec_decode_metrics`: `CompletionOutput.spec_decode_metrics.to_dict()`, a
+    response's `metrics.speculative_decoding`). Its `acceptance_histogram[j]` counts the
+    verify steps that accepted j drafts; under chain drafting position i was accepted in
+    the steps that accepted more than i. Every verify round counts, a request's last one in
+    full, as in the engine's counters."""
+    hist = [int(x) for x in spec_decode["acceptance_histogram"]]
+    return SpecCounters(int(spec_decode["num_spec_steps"]), int(spec_decode["num_draft_tokens"]),
+                        int(spec_decode["num_accepted_draft_tokens"]),
+                        tuple(sum(hist[i + 1:]) for i in range(len(hist) - 1)))
+
+
+def steps_agree(step_tokens: Sequence[int], finished: bool,
+                per_step_accepted: Sequence[int]) -> bool:
+    """Whether tokens per step (the stepped engine's steps, or streamed chunks) show the
+    verify steps vLLM recorded for the request (`per_step_accepted`, its "detailed" level):
+    after the prefill, one emitting step per verify step with 1 + its accepted drafts; a
+    finished request's last step may emit fewer (cut at max_tokens or a stop token)."""
+    seen = [n - 1 for n in step_tokens if n > 0][1:]
+    want = [int(x) for x in per_step_accepted]
+    if len(seen) != len(want):
+        return False
+    if finished and want:
+        return seen[:-1] == want[:-1] and seen[-1] <= want[-1]
+    return seen == want
+
+
+def attribute(engine: SpecCounters, traces: Sequence[dict], k: int, path: str
+              ) -> tuple[list[SpecCounters], dict]:
+    """Per-request counters of one point and how they were had (`PointResult` fields).
+
+    traces: one per request with `step_tokens`, `finish_reason` and `spec_decode` (vLLM's own
+    counters or None); path: what the step counts come from ("stepped": engine steps,
+    "chunks": streamed chunks). Where vLLM reported every request (`native_counters`) those
+    are the counters, `attribution_source` is "native", and `cross_check` says how many
+    requests' steps show vLLM's verify steps (`steps_agree`) and how the step counts alone
+    compare with the engine; otherwise the step counts are the counters (`request_counters`)
+    and `attribution_source` is `path`. `attribution` compares the counters' sum with the
+    engine's (`attribution`); `counters_from_steps` is the step counts' sum either way."""
+    finished = [tr.get("finish_reason") is not None for tr in traces]
+    steps = [request_counters(tr["step_tokens"], k, finished=f) for tr, f in zip(traces, finished)]
+    from_steps = sum(steps, SpecCounters())
+    dropped = sum(dropped_rounds(tr["step_tokens"], f) for tr, f in zip(traces, finished))
+    by_steps = attribution(engine, from_steps, dropped if k else 0)
+    native = [tr.get("spec_decode") for tr in traces]
+    if not (k and native and all(native)):
+        return steps, {"attribution_source": path, "attribution": by_steps,
+                       "counters_from_steps": from_steps.to_dict()}
+    counters = [native_counters(sd) for sd in native]
+    total = sum(counters, SpecCounters())
+    agree = sum(steps_agree(tr["step_tokens"], f, sd.get("per_step_accepted") or [])
+                for tr, f, sd in zip(traces, finished, native))
+    return counters, {
+        "attribution_source": "native", "attribution": attribution(engine, total, 0),
+        "counters_native": total.to_dict(), "counters_from_steps": from_steps.to_dict(),
+        "cross_check": {"path": path, "requests": len(traces), "steps_agree": agree,
+                        "attribution": by_steps}}
 
 
 def acceptance_length_histogram(step_token_lists: Iterable[Sequence[int]], k: int) -> np.ndarray:

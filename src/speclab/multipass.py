@@ -138,7 +138,8 @@ def _engine(profile: Profile, point: Point):
     target = resolve_model(profile.target)
     draft = resolve_model(profile.draft) if point.k > 0 else None
     native = engine.native_draft_kv_dtype() if point.k > 0 else True
-    args, env = engine.engine_args(profile, point, target, draft, native)
+    args, env = engine.engine_args(profile, point, target, draft, native,
+                                   engine.native_request_metrics())
     os.environ.update(env)
     defects.install(defects.from_env())  # an aux-layers defect must precede the model load
     return plist, args, env
@@ -180,14 +181,15 @@ def _run_group(spec: dict) -> None:
             traces = engine.generate_stepwise(llm, ids, sp, p.concurrency)
             gen_s = time.perf_counter() - g0
             delta = metrics.from_snapshot(llm.get_metrics()) - before
-            records = request_records(p, plist, ids, traces)
+            counters, attributed = metrics.attribute(delta, traces, p.k, "stepped")
+            records = request_records(p, plist, ids, traces, counters)
             n_out = sum(r.n_output for r in records)
             store.write_point(run_dir, store.PointResult(
                 point_id=p.id, status="ok", point=p.model_dump(mode="json"),
                 profile=profile.name, engine_group=spec["name"], pass_index=i,
                 engine_args=args, env=env, defect=defects.describe(defect),
-                counters=delta.to_dict(), n_requests=len(records), output_tokens=n_out,
-                throughput_tok_s=n_out / gen_s, versions=engine.versions(),
+                counters=delta.to_dict(), **attributed, n_requests=len(records),
+                output_tokens=n_out, throughput_tok_s=n_out / gen_s, versions=engine.versions(),
                 timings={"engine_init_s": init_s, "generate_s": gen_s},
                 started_at=started, finished_at=time.time(), command=" ".join(sys.argv),
                 fingerprint=spec["fingerprints"][p.id]), records)

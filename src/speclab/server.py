@@ -122,7 +122,7 @@ def request_body(p: prompts.Prompt, fmt: str, max_tokens: int, temperature: floa
 
 async def _one(client: httpx.AsyncClient, url: str, endpoint: str, body: dict) -> dict:
     t0 = time.perf_counter()
-    times, chunk_tokens, out_ids, usage, finish = [], [], [], None, None
+    times, chunk_tokens, out_ids, usage, finish, spec = [], [], [], None, None, None
     async with client.stream("POST", url + endpoint, json=body) as r:
         r.raise_for_status()
         async for line in r.aiter_lines():
@@ -130,6 +130,8 @@ async def _one(client: httpx.AsyncClient, url: str, endpoint: str, body: dict) -
                 continue
             d = json.loads(line[6:])
             usage = d.get("usage") or usage
+            # vLLM >= 0.29 with per-request metrics: the final usage chunk carries them
+            spec = (d.get("metrics") or {}).get("speculative_decoding") or spec
             for ch in d.get("choices", []):
                 finish = ch.get("finish_reason") or finish
                 toks = ch.get("token_ids") or []
@@ -141,7 +143,7 @@ async def _one(client: httpx.AsyncClient, url: str, endpoint: str, body: dict) -
     n = usage["completion_tokens"] if usage else len(out_ids)
     return {"output_token_ids": out_ids, "n_output": n, "finish_reason": finish,
             "prompt_len": usage["prompt_tokens"] if usage else None,
-            "step_tokens": chunk_tokens, "step_times": times,
+            "step_tokens": chunk_tokens, "step_times": times, "spec_decode": spec,
             "latency_s": time.perf_counter() - t0, "ttft_s": times[0] if times else None,
             "tpot_s": (times[-1] - times[0]) / (n - 1) if n > 1 and times else None,
             "itl_s": [b - a for a, b in zip(times, times[1:])]}
@@ -176,17 +178,6 @@ async def drive(url: str, requests: list[tuple[str, dict]], concurrency: int,
         return await asyncio.gather(*(bounded(r) for r in requests))
 
 
-def _chunk_counters(r: dict, k: int, raw: bool = False) -> dict:
-    """Per-request counters from streamed chunks (tokens per chunk ~ tokens per engine step;
-    exact only when no two steps share a chunk: compare with /metrics, see `attribution`)."""
-    c = metrics.request_counters(r["step_tokens"], k, finished=r.get("finish_reason") is not None)
-    if raw:
-        return {"num_drafts": c.num_drafts, "num_draft_tokens": c.num_draft_tokens,
-                "num_accepted_tokens": c.num_accepted_tokens, "accepted_per_pos": c.accepted_per_pos}
-    return {"drafts": c.num_drafts, "draft_tokens": c.num_draft_tokens,
-            "accepted": c.num_accepted_tokens, "accepted_per_pos": list(c.accepted_per_pos)}
-
-
 def level_id(point: Point, concurrency: int) -> str:
     return f"{point.id}_serve-c{concurrency}"
 
@@ -216,7 +207,8 @@ def _serve_levels(profile: Profile, point: Point, run_dir: Path, todo: list[int]
     draft = resolve_model(profile.draft) if methods.uses_draft(methods.of(point)) \
         else None
     args, env = engine.engine_args(profile, point, target, draft,
-                                   native_draft_kv=engine.native_draft_kv_dtype())
+                                   native_draft_kv=engine.native_draft_kv_dtype(),
+                                   request_metrics=engine.native_request_metrics())
     env = {**env, "VLLM_LOG_STATS_INTERVAL": env.get("VLLM_LOG_STATS_INTERVAL", "1")}
     aux = convention.resolve(target, draft, {**os.environ, **env})  # fails before serving
     reqs = [request_body(p, point.prompt_format, profile.max_tokens, profile.temperature,
@@ -260,20 +252,18 @@ def _measure_level(url: str, profile: Profile, point: Point, run_dir: Path, plis
     gen_s = time.perf_counter() - g0
     total = scrape(url)
     delta = total - before
+    counters, attributed = metrics.attribute(delta, res, point.k, "chunks")
     rows = [store.RequestRecord(
         point_id=pid, k=point.k, kv_cache_dtype=point.kv_cache_dtype,
         draft_kv_cache_dtype=point.draft_kv_cache_dtype, layout=point.layout.label,
         prompt_format=point.prompt_format, repeat=point.repeat, concurrency=c, prompt_id=p.id,
-        category=p.category, **r, **_chunk_counters(r, point.k)) for p, r in zip(plist, res)]
+        category=p.category, **{f: v for f, v in r.items() if f != "spec_decode"},
+        drafts=n.num_drafts, draft_tokens=n.num_draft_tokens, accepted=n.num_accepted_tokens,
+        accepted_per_pos=list(n.accepted_per_pos)) for p, r, n in zip(plist, res, counters)]
     n_out = sum(r["n_output"] for r in res)
-    from_chunks = sum((metrics.SpecCounters(**{k: v for k, v in _chunk_counters(
-        r, point.k, raw=True).items()}) for r in res), metrics.SpecCounters())
     meta = store.PointResult(**{**base, "point_id": pid, "status": "ok", "concurrency": c,
             "counters": delta.to_dict(), "server_counters_total": total.to_dict(),
-            "counters_from_steps": from_chunks.to_dict(),
-            "attribution": metrics.attribution(delta, from_chunks, sum(
-                metrics.dropped_rounds(r["step_tokens"], r.get("finish_reason") is not None)
-                for r in res) if point.k else 0),
+            **attributed,
             "n_requests": len(rows), "output_tokens": n_out,
             "throughput_tok_s": n_out / gen_s, "timings": {"generate_s": gen_s},
             "passes": [{"round": 1, "generate_s": gen_s, "output_tokens": n_out,

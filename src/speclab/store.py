@@ -66,8 +66,6 @@ class PointResult(BaseModel):
     sampling: dict | None = None
     method: dict | None = None                   # methods.settings: the method and its settings
     models: dict | None = None                   # revisions.record: revisions asked and loaded
-    request_counters: Literal["vllm", "steps"] | None = None  # the requests' counters: vLLM's
-    # own per request, or counted from the step trace (metrics.request_counters)
     fingerprint: dict | None = None              # {"digest", "parts"} (speclab.fingerprint)
     engine_args: dict | None = None
     env: dict | None = None
@@ -76,9 +74,13 @@ class PointResult(BaseModel):
     host: str | None = None
     aux_convention: dict | None = None
     counters: dict | None = None                 # metrics.SpecCounters.to_dict(), engine's
-    counters_from_steps: dict | None = None      # the same, counted from the steps
+    counters_from_steps: dict | None = None      # the same, counted from steps or chunks
+    counters_native: dict | None = None          # the same, vLLM's per-request counters
     server_counters_total: dict | None = None
-    attribution: str | None = None               # how the two counts relate
+    # where the requests' counters came from (absent: stepped offline, chunks in server mode)
+    attribution_source: Literal["native", "stepped", "chunks"] | None = None
+    attribution: str | None = None               # their sum against `counters`
+    cross_check: dict | None = None              # native: what the steps or chunks say
     attribution_exact: bool | None = None        # runs before `attribution` existed
     n_requests: int | None = None                # rows of points/<point-id>.parquet
     output_tokens: int | None = None
@@ -121,7 +123,7 @@ class RequestRecord(BaseModel):
     ttft_s: float | None = None
     tpot_s: float | None = None
     itl_s: list[float] | None = None             # server mode: gaps between chunks
-    drafts: int                                  # metrics.request_counters
+    drafts: int                                  # metrics.attribute (point's source)
     draft_tokens: int
     accepted: int
     accepted_per_pos: list[int]
@@ -301,7 +303,8 @@ def requests(run_dir: Path, point_id: str | None = None) -> pd.DataFrame:
 def load_results(run_dir: Path) -> tuple[pd.DataFrame, pd.DataFrame]:
     """(points, requests) of a run: one row per point (metadata flattened) and one per request,
     with two columns taken from the request's point: `method` (methods.of; None for plain)
-    and `counters_from` (its `request_counters`: "vllm" or "steps").
+    and `counters_from` ("vllm" where its `attribution_source` is native: vLLM's own
+    per-request counters; else "steps": counted from the step trace or chunks).
 
     A damaged file is named in a warning and never passes as ok: an unreadable point JSON is
     left out, an ok point whose records cannot be read gets status "damaged"."""
@@ -315,7 +318,8 @@ def load_results(run_dir: Path) -> tuple[pd.DataFrame, pd.DataFrame]:
             try:
                 recs.append(pq.read_table(rec, schema=REQUEST_ARROW).to_pandas().assign(
                     method=methods.of(Point.model_validate(meta["point"])),
-                    counters_from=meta.get("request_counters") or "steps"))
+                    counters_from="vllm" if meta.get("attribution_source") == "native"
+                    else "steps"))
             except Exception as e:  # noqa: BLE001 - missing, truncated, not parquet
                 problem = f"{rec}: unreadable records ({type(e).__name__}: {e})"
                 warnings.warn(problem + "; point marked damaged", stacklevel=2)

@@ -5,6 +5,8 @@ in ``$SPECLAB_CACHE/wheels``), reads the few files the plan depends on straight 
 (the overlay's own fact extractor, AST only: nothing is imported) and decides the plan.
 ``render`` turns the matrix into the committed markdown; ``plan_table`` is the block that
 ``overlay/README.md`` carries. ``tools/vllm_matrix.py`` writes ``data/vllm_matrix.{json,md}``.
+Beside the overlay's facts each release records what the lab's per-request attribution can
+read from it (``request_metrics_facts``: vLLM's own per-request spec-decode counters).
 """
 
 from __future__ import annotations
@@ -66,7 +68,8 @@ def _overlay():
 
 
 def release_entry(version: str) -> dict:
-    """Wheel name and sha256, the facts read from it and the plan decided from them."""
+    """Wheel name and sha256, the facts read from it and the plan decided from them, and
+    what it offers the lab's per-request attribution."""
     from speclab.overlay import plan_for_tree
 
     path = wheel(version)
@@ -74,7 +77,41 @@ def release_entry(version: str) -> dict:
     facts, plan = plan_for_tree(path, _overlay())
     if facts["vllm"] != version:
         raise ValueError(f"{path.name} says it is vLLM {facts['vllm']}, not {version}")
-    return {"wheel": path.name, "sha256": digest, "facts": facts, "plan": plan}
+    return {"wheel": path.name, "sha256": digest, "facts": facts, "plan": plan,
+            "request_metrics": request_metrics_facts(path)}
+
+
+def request_metrics_facts(path: Path) -> dict:
+    """vLLM's own per-request spec-decode counters in a release (a wheel or a tree holding
+    ``vllm/``), read from its source: the levels of the engine argument
+    ``per_request_spec_decode_metrics`` (``ObservabilityConfig``), the fields of
+    ``RequestSpecDecodeMetrics`` (what a request accumulates), whether ``CompletionOutput``
+    carries them (offline) and whether the OpenAI completions server returns them
+    (``metrics.speculative_decoding``). Levels None: the release has none of it."""
+    import ast
+
+    src = _overlay().base.Source(str(path))
+    field = _class_fields(src.node("vllm.config.observability", "ObservabilityConfig")).get(
+        "per_request_spec_decode_metrics")
+    levels = None if field is None else sorted(
+        (n.value for n in ast.walk(field) if isinstance(n, ast.Constant)
+         and isinstance(n.value, str)), key=["none", "summary", "detailed"].index)
+    served = src.text("vllm.entrypoints.openai.completion.serving") or ""
+    return {"levels": levels,
+            "fields": list(_class_fields(src.node("vllm.v1.metrics.stats",
+                                                  "RequestSpecDecodeMetrics"))),
+            "completion_output": "spec_decode_metrics" in _class_fields(
+                src.node("vllm.outputs", "CompletionOutput")),
+            "served": "speculative_decoding" in served}
+
+
+def _class_fields(node) -> dict:
+    """A class's annotated fields, name -> annotation node ({} for no class)."""
+    import ast
+
+    return {} if node is None else {n.target.id: n.annotation for n in node.body
+                                    if isinstance(n, ast.AnnAssign)
+                                    and isinstance(n.target, ast.Name)}
 
 
 def index_releases(first: str = FIRST) -> list[str]:
@@ -169,6 +206,19 @@ def facts_tables(matrix: dict) -> str:
     return "\n\n".join(table)
 
 
+def request_metrics_table(matrix: dict) -> str:
+    """One row per release: vLLM's own per-request spec-decode counters, if any."""
+    rows = [["vLLM", "`per_request_spec_decode_metrics`", "`RequestSpecDecodeMetrics` fields",
+             "`CompletionOutput.spec_decode_metrics`", "`metrics.speculative_decoding` served"],
+            ["---"] * 5]
+    for version, rel in matrix["releases"].items():
+        rm = rel["request_metrics"]
+        rows.append([version, " / ".join(rm["levels"]) if rm["levels"] else "-",
+                     ", ".join(f"`{f}`" for f in rm["fields"]) or "-",
+                     _yes(rm["completion_output"]), _yes(rm["served"])])
+    return "\n".join("| " + " | ".join(r) + " |" for r in rows)
+
+
 def details(matrix: dict) -> str:
     """Each distinct reason once, with the releases and scopes it applies to."""
     seen: dict[tuple[str, str, str], list[str]] = {}
@@ -213,6 +263,19 @@ imports for the platform (`all`: 0.21's single module).
 ## Why
 
 {details(matrix)}
+
+## Per-request spec-decode counters (the lab's attribution source)
+
+Not an overlay feature: where a release has them, the lab reads each request's counters from
+vLLM (`attribution_source: native`; offline from `CompletionOutput.spec_decode_metrics`, behind
+`vllm serve` from the final usage chunk's `metrics.speculative_decoding`), asking for level
+`detailed`; elsewhere it counts engine steps or streamed chunks (README, "Offline or server
+mode?"). `summary`: per request, `acceptance_histogram[j]` = verify steps that accepted j
+drafts (j = 0..k; per-position counts follow under chain drafting), the drafted-token total,
+mean acceptance length and acceptance rate; `detailed` adds the ordered per-verify-step
+arrays `per_step_accepted` and `per_step_drafted` (not per position).
+
+{request_metrics_table(matrix)}
 """
 
 

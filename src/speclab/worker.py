@@ -23,14 +23,13 @@ from speclab import (convention, engine, fingerprint, launch, methods, metrics, 
 from speclab.profiles import Point, Profile, prompt_file, resolve_model
 
 
-def request_records(point: Point, plist, prompt_ids, traces) -> list[store.RequestRecord]:
-    """One record per request: outputs, per-step token counts and times, per-request counters,
-    and (plain runs) the top-1/top-2 logprob margin at each position (from an untimed pass)."""
+def request_records(point: Point, plist, prompt_ids, traces, counters
+                    ) -> list[store.RequestRecord]:
+    """One record per request: outputs, per-step token counts and times, its counters (from
+    `metrics.attribute`), and (plain runs) the top-1/top-2 logprob margin at each position
+    (from an untimed pass)."""
     rows = []
-    for p, ids, tr in zip(plist, prompt_ids, traces):
-        c = metrics.engine_request_counters(tr["spec_decode"], point.k) if point.k and \
-            tr.get("spec_decode") else metrics.request_counters(
-                tr["step_tokens"], point.k, finished=tr.get("finish_reason") is not None)
+    for p, ids, tr, c in zip(plist, prompt_ids, traces, counters):
         out = tr.get("output_token_ids", [])
         times = tr["step_times"]
         lps = tr.get("logprobs") or []
@@ -95,7 +94,8 @@ def main(spec_path: str) -> int:
 
         t["import_s"] = time.perf_counter() - i0
         native = engine.native_draft_kv_dtype() if point.k > 0 else True
-        args, env = engine.engine_args(profile, point, target, draft, native)
+        args, env = engine.engine_args(profile, point, target, draft, native,
+                                       engine.native_request_metrics())
         os.environ.update(env)  # the draft KV dtype variable is only known here
         meta.update(engine_args=args, env=env, vllm_version=vllm.__version__)
         meta["aux_convention"] = convention.resolve(target, draft)  # fails before loading
@@ -145,21 +145,13 @@ def main(spec_path: str) -> int:
                     tr["logprobs"] = lp["logprobs"]
                     tr["logprob_pass_divergence"] = metrics.first_divergence(
                         tr["output_token_ids"], lp["output_token_ids"])
-        records = request_records(point, plist, prompt_ids, traces)
-        from_steps = sum((metrics.SpecCounters(r.drafts, r.draft_tokens, r.accepted,
-                                               tuple(r.accepted_per_pos)) for r in records),
-                         metrics.SpecCounters())
+        counters, attributed = metrics.attribute(delta, traces, point.k, "stepped")
+        records = request_records(point, plist, prompt_ids, traces, counters)
         n_out = sum(r.n_output for r in records)
         meta.update(
-            status="ok", counters=delta.to_dict(), counters_from_steps=from_steps.to_dict(),
-            attribution=metrics.attribution(delta, from_steps, sum(
-                metrics.dropped_rounds(tr["step_tokens"], tr.get("finish_reason") is not None)
-                for tr in traces if not tr.get("spec_decode")) if point.k else 0),
-            n_requests=len(records), output_tokens=n_out,
-            # vLLM's own per-request counts (ngram on vLLM 0.32), else the step trace's
-            request_counters="vllm" if any(tr.get("spec_decode") for tr in traces) else "steps",
-            throughput_tok_s=n_out / t["generate_s"], passes=[{**passed, "round": 1}],
-            versions=engine.versions(), host=socket.gethostname(),
+            status="ok", counters=delta.to_dict(), **attributed, n_requests=len(records),
+            output_tokens=n_out, throughput_tok_s=n_out / t["generate_s"],
+            passes=[{**passed, "round": 1}], versions=engine.versions(), host=socket.gethostname(),
         )
         t["harness_s"] += time.perf_counter() - h3
         meta.update(timings=t, finished_at=time.time(), wall_s=time.time() - started)

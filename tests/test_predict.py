@@ -172,3 +172,22 @@ def test_draft_settings_are_kept_apart():
     assert set(d.draft) == {"", "drafteager"}
     v = predict.validate(pd.concat([res, other], ignore_index=True))
     assert set(v.draft) == {"", "drafteager"}
+
+
+def test_report_with_a_configuration_that_has_no_plain_engine(tmp_path):
+    res = rows(rounds=2)
+    eager = res[(res.k == 3) & (res.op == "pass")].assign(eager=True, engine="L4-k3-eager")
+    pd.concat([res, eager]).to_json(tmp_path / "results.jsonl", orient="records", lines=True)
+    md = predict.report(tmp_path).read_text()  # raised on the all-NaN group before
+    best = md.split("## Best k (measured)")[1].split("##")[0]
+    assert "| False |" in best and "| True |" not in best  # eager k = 3 has no speedup
+
+
+def test_report_says_a_single_round_is_not_a_result(tmp_path):
+    for rounds, caveat in ((1, True), (2, False)):
+        out = tmp_path / str(rounds)
+        out.mkdir()
+        rows(rounds=rounds).to_json(out / "results.jsonl", orient="records", lines=True)
+        md = predict.report(out).read_text()
+        assert f"Timed rounds per point: {rounds} to {rounds}." in md
+        assert ("not a result" in md) == caveat

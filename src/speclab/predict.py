@@ -225,7 +225,8 @@ def extrapolate(costs: pd.DataFrame, drafts: pd.DataFrame, rates, layers: int =
     plain = costs[(costs.k == 0) & (costs.eager == eager)]
     Ls = sorted(plain.layers.unique())
     if len(Ls) < 2:
-        raise ValueError(f"extrapolation needs plain steps at two layer counts; have {Ls}")
+        raise ValueError("extrapolation needs plain steps at two layer counts; have "
+                         f"{[int(x) for x in Ls]}")
     fit, synth = [], []
     for n, g in plain.groupby("B"):
         if g.layers.nunique() < 2:
@@ -313,10 +314,14 @@ def report(run_dir: Path, rates=PUBLISHED_EAGLE31, layers: int = PRODUCTION_LAYE
              ("Decode throughput (tokens after the first, per second) and speedup over plain "
              "decoding at the same batch size, mean and 95% interval over timed rounds "
              "(speedup: geometric mean of per-round ratios, rounds interleaved over k)."), "",
+             (f"Timed rounds per point: {spec.rounds.min()} to {spec.rounds.max()}. "
+              + ("**A point with one round has no interval and is not a result.**"
+                 if spec.rounds.min() < 2 else "")) if len(spec) else "", "",
              _md(spec.sort_values([*CONFIG, "B", "k"]),
                  [*CONFIG, "B", "k", "al", "step_ms", "tok_s", "tok_s_lo", "tok_s_hi",
                   "speedup", "speedup_lo", "speedup_hi", "rounds"]), ""]
-    best = spec.loc[spec.groupby([*CONFIG, "B"]).speedup.idxmax()] if len(spec) else spec
+    paired = spec.dropna(subset=["speedup"])  # a configuration with a plain engine beside it
+    best = paired.loc[paired.groupby([*CONFIG, "B"]).speedup.idxmax()] if len(paired) else paired
     lines += ["## Best k (measured)", "", _md(best, [*CONFIG, "B", "k", "speedup",
                                                     "speedup_lo", "speedup_hi"]), ""]
     if len(val):

@@ -74,7 +74,33 @@ def test_run_folders_and_jit_cache_carry_the_release(tmp_path, monkeypatch):
     for release, tag in (("0.22.0", "vllm022"), ("0.26.0", "vllm026")):
         mod = load_lab(monkeypatch, tmp_path, release)
         assert mod.RELEASE == release[:4] and mod.STAMP == f"20990101-{tag}"
-        assert mod.DIAL == f"h200-dsv4-dial-20990101-{tag}" and tag in mod.COST
+        assert mod.DIAL == f"h200-dsv4-dial-20990101-{tag}" and tag in mod.PLAN.vars["COST"]
+
+
+def test_lab_runs_the_studies_plan_as_lab_py_had_it(tmp_path, monkeypatch):
+    """JOBS and FIXTURES come from src/speclab/studies (tests/test_studies.py holds the plan to
+    the capture field by field); here lab.py's own view of them, as it runs them."""
+    before = json.loads((REPO / "tests/data/lab_plan.json").read_text())
+    for release in ("0.22.0", "0.26.0"):
+        mod = load_lab(monkeypatch, tmp_path, release)
+        want = before[f"{release} 20990101"]
+        assert json.loads(json.dumps(mod.JOBS).replace(json.dumps(mod.PY)[1:-1], "{python}")
+                          ) == want["jobs"]
+        assert mod.FIXTURES == want["FIXTURES"] and mod.STAMP == want["STAMP"]
+        assert mod.RELTAG == want["RELTAG"] and mod.DIAL == want["DIAL"]
+
+
+def test_list_prints_the_plan_of_a_release_and_runs_nothing(lab, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["lab.py", "--list", "--vllm", "0.26"])
+    monkeypatch.setattr(lab.subprocess, "Popen", lambda *a, **k: pytest.fail("a job ran"))
+    assert lab.main() == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("stamp 20990101-vllm026;") and out[-1] == "11 jobs for vLLM 0.26"
+    assert out[1].split()[:3] == ["rig-026", "vLLM", "0.26"]
+    assert "h200-dsv4-rig-20990101-vllm026" in out[1]
+    monkeypatch.setattr(sys, "argv", ["lab.py", "--list"])
+    lab.main()
+    assert capsys.readouterr().out.splitlines()[-1] == "43 jobs"
 
 
 def test_every_job_has_a_release_a_unique_name_and_known_after_jobs(tmp_path, monkeypatch):

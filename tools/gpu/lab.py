@@ -4,8 +4,11 @@
     eval "$(bash tools/gpu/unpack.sh .stage/gpu)"     # one bundle: vLLM 0.22 here
     python3 tools/gpu/lab.py --vllm 0.22 --out $OUT --deadline 540 [--only job,job]
         [--gpus 2] [--slots 3] [--no-warm-first]
+    python3 tools/gpu/lab.py --list [--vllm 0.26]     # the jobs, as they would run (any machine)
 
-Jobs (JOBS below) run as subprocesses, each with its own log and timeout. Each job names the
+The jobs are data: src/speclab/studies/*.yaml, planned by speclab.studies (templated on the
+stamp and the interpreter); this file runs them. Jobs run as subprocesses, each with its own
+log and timeout. Each job names the
 vLLM release it needs (`vllm`, default 0.22); one invocation runs the jobs of the release the
 environment has, which --vllm must name, and every run folder carries it (STAMP). A job
 takes one or two GPUs; with --slots N up to N single-GPU jobs share one GPU, each with a
@@ -37,6 +40,9 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "src"))  # speclab from this checkout (the device has no install)
+from speclab import studies  # noqa: E402
+
 STATE = Path(os.environ.get("LAB_STATE", "/tmp/speclab_lab"))  # one per concurrent lab.py
 PY = sys.executable
 SPECLAB = [PY, "-m", "speclab"]
@@ -55,175 +61,23 @@ def current_release() -> str | None:
     return ".".join(full.split(".")[:2])
 
 
+def stamp_label() -> str:
+    """The date, or LAB_STAMP (to keep a second session of the same day apart)."""
+    return os.environ.get("LAB_STAMP") or time.strftime("%Y%m%d")
+
+
 RELEASE = current_release()
-# run-folder suffix: the date (or LAB_STAMP, to keep a second session of the same day apart)
-# and the vLLM release, e.g. 20261201-vllm022
-RELTAG = RELEASE and "vllm{}{:02d}".format(*map(int, RELEASE.split(".")))
-STAMP = "-".join(filter(None, (os.environ.get("LAB_STAMP") or time.strftime("%Y%m%d"), RELTAG)))
+RELTAG = RELEASE and studies.release_tag(RELEASE)  # e.g. vllm022
+STAMP = studies.stamp(stamp_label(), RELEASE)  # run-folder suffix, e.g. 20261201-vllm022
 
-# name, GPUs, timeout (s), command, run folders it writes (under data/runs); the vLLM release
-# it needs; jobs it must start after; whether it needs its GPUs to itself (timing)
-JOBS: list[dict] = []
-
-
-def job(name: str, gpus: int, timeout: int, cmd: list[str], runs: list[str], env=None,
-        expect_fail: bool = False, vllm: str = "0.22", after: tuple[str, ...] = (),
-        exclusive: bool = False):
-    JOBS.append({"name": name, "gpus": gpus, "timeout": timeout, "cmd": cmd, "runs": runs,
-                 "env": env or {}, "expect_fail": expect_fail, "vllm": vllm,
-                 "after": tuple(after), "exclusive": exclusive})
-
-
-def sweep(profile: str, run: str, *extra: str) -> list[str]:
-    return [*SPECLAB, "sweep", "--profile", profile, "--run-id", run, *extra]
-
-
-DIAL, RIG, NEAR = (f"h200-{n}-{STAMP}" for n in ("dsv4-dial", "dsv4-rig", "dsv4-neartie"))
+# The jobs (src/speclab/studies/*.yaml, in priority order): name, GPUs, timeout (s), command,
+# run folders it writes (under data/runs), env, whether failing is its result, the vLLM release
+# it needs, jobs it must start after, whether it needs its GPUs to itself (timing)
+PLAN = studies.plan(STAMP, PY)
+JOBS: list[dict] = [j.lab_dict() for j in PLAN.jobs]
+FIXTURES = PLAN.fixtures  # what the set-up builds
+DIAL = PLAN.setup_run  # the set-up's selftest.json and env.json go here
 T = "tools/gpu"
-FIXTURES = ["tiny-dsv4", "tiny-dsv4-eagle3", "rig-dsv4", "rig-dsv4-eagle3", "dial-dsv4",
-            "dial-dsv4-eagle3", "neartie-dsv4", "neartie-dsv4-eagle3"]
-TP1 = "*_tp1_*"
-# Priority order. First the kernel check behind the broken small-step decode of the hidden-512
-# fixtures (seconds; data/runs/h200-20261130.md), then proof of the overlay (exact rig counters,
-# plain decoding against the transformers reference, the acceptance sweep, draft KV fp8, server
-# mode, compiled mode), the parity arms (one GPU, then TP=2 + EP), aux states, the cost
-# benchmark, and the stock error last (recorded before; it does not depend on the fixture).
-MHC = f"h200-mhc-check-{STAMP}"  # one folder per day for all sizes
-job("mhc-check", 1, 300, [PY, f"{T}/mhc_check.py", "--hidden", "4096", "--out",
-                          f"data/runs/{MHC}/mhc_check_4096.json"], [MHC])
-job("rig", 1, 600, sweep("tiny-dsv4-rig", RIG), [RIG])
-job("sanity", 1, 420, [PY, f"{T}/dsv4_sanity.py", "--run-dir", f"data/runs/{DIAL}/sanity-tiny",
-                       "--target", "tiny-dsv4"], [DIAL])
-job("dial-auto", 1, 900, sweep("tiny-dsv4-h200", DIAL, "--only", "k0_*,*dkv-auto*"), [DIAL])
-job("dial-fp8", 1, 900, sweep("tiny-dsv4-h200", DIAL, "--only", "*dkv-fp8*"), [DIAL])
-job("serve", 1, 600, sweep("tiny-dsv4-h200", DIAL, "--mode", "server", "--concurrency", "1,4",
-                           "--only", "k3_*dkv-auto*"), [DIAL])
-# torch.compile + CUDA graphs, every engine compiling from scratch
-COMPILED = '{"engine": {"enforce_eager": false}, "env": {"VLLM_DISABLE_COMPILE_CACHE": "1"}}'
-job("compiled", 1, 600, sweep("tiny-dsv4-h200", f"{DIAL}-compiled", "--only",
-                              "k0_*,k3_*dkv-auto*", "--override", COMPILED), [f"{DIAL}-compiled"])
-# the rig's draft reads aux state 1 (the dial draft ignores aux states): exact counters under
-# torch.compile + CUDA graphs prove the captured aux states survive compilation
-job("rig-compiled", 1, 600, sweep("tiny-dsv4-rig", f"{RIG}-compiled", "--override", COMPILED),
-    [f"{RIG}-compiled"])
-job("neartie-parity", 1, 1200, sweep("tiny-dsv4-neartie-h200", NEAR, "--with-parity",
-                                     "--only", TP1), [NEAR])
-job("tp2-ep", 2, 900, ["bash", "-c", "; ".join(
-    " ".join(sweep(p, r, "--with-parity", "--only", "'*tp2-ep*'"))
-    for p, r in (("tiny-dsv4-h200", DIAL), ("tiny-dsv4-neartie-h200", NEAR)))], [DIAL, NEAR])
-# The overlay's cost in one eager engine (tools/gpu/overlay_cost.py): installed-but-unused vs
-# vLLM's own forward, alternating per decode step, and the aux capture per verify step
-COST = f"h200-dsv4-cost-{STAMP}"
-job("cost", 1, 420, [PY, f"{T}/overlay_cost.py", "--run-dir", f"data/runs/{COST}"], [COST],
-    exclusive=True)
-job("sanity-neartie", 1, 420, [PY, f"{T}/dsv4_sanity.py", "--run-dir",
-                               f"data/runs/{NEAR}/sanity", "--target", "neartie-dsv4"], [NEAR])
-job("stock-error", 1, 300, sweep("tiny-dsv4-rig", f"{RIG}-stock", "--only", "k3_*", "--override",
-                                 '{"env": {"DSV4_EAGLE3_OVERLAY": "off"}, "overlay": "off"}'),
-    [f"{RIG}-stock"], expect_fail=True)
-# vLLM 0.26 (bundle .stage/gpu026; issue 13): the same fixtures on the native DeepSeek-V4
-# EAGLE-3 support, and the native aux capture's cost
-job("rig-026", 1, 600, sweep("tiny-dsv4-rig", RIG), [RIG], vllm="0.26")
-job("dial-026", 1, 900, sweep("tiny-dsv4-h200", DIAL, "--only", "k0_*,k3_*dkv-auto*"), [DIAL],
-    vllm="0.26", after=("rig-026",))
-job("dial-022", 1, 900, sweep("tiny-dsv4-h200", DIAL, "--only", "k0_*,k3_*dkv-auto*"), [DIAL])
-# issue 18: the same points through the Ray executor (a Ray instance on this node; Ray from
-# $SPECLAB_RAY_SITE, README "Ray on the device"), counters and tokens against dial-022's
-job("ray-dial", 1, 900, ["bash", "-c", "export PYTHONPATH=$PYTHONPATH:"
-                         "${SPECLAB_RAY_SITE:?no Ray layer} && " + " ".join(sweep(
-                             "tiny-dsv4-h200", f"{DIAL}-ray", "--only", "'k0_*,k3_*dkv-auto*'",
-                             "--executor", "ray")) +
-                         f" && {PY} {T}/compare_counters.py data/runs/{DIAL} data/runs/{DIAL}-ray"],
-    [f"{DIAL}-ray", DIAL], after=("dial-022",), exclusive=True)
-# stock 0.26 (overlay off) with a Llama draft next to DeepSeek-V4: expected to fail at engine
-# start ("Some layers are not assigned to any group.", overlay/README.md): recorded as data
-job("stock-error-026", 1, 300, sweep("tiny-dsv4-layer-rig", f"{RIG}-stock", "--override",
-                                     '{"env": {"DSV4_EAGLE3_OVERLAY": "off"}, "overlay": "off"}'),
-    [f"{RIG}-stock"], expect_fail=True, vllm="0.26")
-job("cost-026", 1, 420, [PY, f"{T}/overlay_cost.py", "--run-dir", f"data/runs/{COST}"], [COST],
-    vllm="0.26", exclusive=True)
-
-
-# Layer-exact rig (issue 12; speclab.fixtures.dsv4_layer_rig): one run folder per arm, each
-# checked against the committed CPU expectations (`tools/layer_rig.py check ARM RUN` writes
-# expected_check_<arm>.json; rc 1 unless counters are exact and outputs count). The positive
-# arm eager and compiled; negatives (eager), each must read ~0 at position 1: the other
-# convention, hc stream 0 instead of the mean (fault through the overlay's capture_aux: 0.22 +
-# overlay only; tools/gpu/aux_fault.py), aux slots permuted (rotated draft). On vLLM 0.26 the
-# same arms but neg-stream0 (jobs `<name>-026`; run folders carry the release via STAMP).
-# Then the aux states against the transformers reference with neighbour controls
-# (tools/gpu/aux_check.py, which replaced the old same-pass recomputation `aux-check` job) on
-# tiny-dsv4 (random weights) and on the rig.
-LR = f"h200-dsv4-layer-rig-{STAMP}"
-LR_PROFILE = "tiny-dsv4-layer-rig"
-FIXTURES += ["layer-rig-dsv4", "layer-rig-dsv4-eagle3", "layer-rig-dsv4-eagle3-perm"]
-LR_ARMS = {  # job suffix: (expectation arm, sweep override or None, extra env)
-    "": ("positive", None, {}),
-    "-compiled": ("positive", COMPILED, {}),
-    "-neg-input": ("neg-input", '{"env": {"EAGLE3_AUX_LAYER_CONVENTION": "input"}}', {}),
-    "-neg-stream0": ("neg-stream0", '{"env": {"SPECLAB_AUX_FAULT": "stream0"}}', {}),
-    "-neg-perm": ("neg-perm", '{"draft": "fixture:layer-rig-dsv4-eagle3-perm"}', {}),
-}
-
-
-def layer_rig_cmd(run: str, arm: str, override: str | None, *, tp2: bool = False) -> list[str]:
-    extra = ["--override", override] if override else []
-    if tp2:
-        extra = ["--override", '{"grid": {"layout": [{"tp": 2, "ep": true}]}}']
-    steps = [" ".join(sweep(LR_PROFILE, run, *(f"'{x}'" if x.startswith("{") else x
-                                               for x in extra))),
-             f"{PY} tools/layer_rig.py check {arm} data/runs/{run}"]
-    if arm == "neg-stream0":  # the fault's .pth, only while this arm runs
-        fault = f"{PY} {T}/aux_fault.py"
-        steps = [f"{fault} install", f"trap '{fault} uninstall' EXIT", *steps]
-    return ["bash", "-c", " && ".join(steps)]
-
-
-for suffix, (arm, override, env) in LR_ARMS.items():
-    run = LR + ("-positive" if suffix in ("", "-compiled") else "") + suffix
-    job(f"layer-rig{suffix}", 1, 600 if "compiled" in suffix else 420,
-        layer_rig_cmd(run, arm, override), [run], env=env)
-    if arm != "neg-stream0":  # 0.26: the native forward has no capture_aux to fault
-        job(f"layer-rig{suffix}-026", 1, 600 if "compiled" in suffix else 420,
-            layer_rig_cmd(run, arm, override), [run], env=env, vllm="0.26")
-job("layer-rig-tp2-ep", 2, 600, layer_rig_cmd(f"{LR}-positive-tp2-ep", "positive", None, tp2=True),
-    [f"{LR}-positive-tp2-ep"])
-AUX = [PY, f"{T}/aux_check.py", "--run-dir", f"data/runs/{LR}-aux"]
-job("aux-check-tiny", 1, 480, [*AUX, "--tag", "tiny-dsv4", "--target", "tiny-dsv4", "--draft",
-                                "tiny-dsv4-eagle3"], [f"{LR}-aux"])
-job("aux-check-rig", 1, 480, [*AUX, "--tag", "layer-rig", "--target", "layer-rig-dsv4",
-                              "--draft", "layer-rig-dsv4-eagle3", "--prompt-file",
-                              "data/prompts/layer-rig-dsv4-ids.jsonl", "--prompts", "3"],
-    [f"{LR}-aux"])
-job("aux-check-rig-compiled", 1, 600, [*AUX, "--tag", "layer-rig-compiled", "--target",
-                                       "layer-rig-dsv4", "--draft", "layer-rig-dsv4-eagle3",
-                                       "--prompt-file", "data/prompts/layer-rig-dsv4-ids.jsonl",
-                                       "--prompts", "3", "--compiled"], [f"{LR}-aux"])
-for name in ("aux-check-tiny", "aux-check-rig"):  # the same on vLLM 0.26's native capture
-    j = next(x for x in JOBS if x["name"] == name)
-    job(f"{name}-026", 1, j["timeout"], j["cmd"], j["runs"], vllm="0.26")
-
-# The aux-layer convention as a grid dimension (speclab.convention): the rig's draft once per
-# convention in one run folder (two engines); notebook 02, rendered from the results
-# (`speclab run --notebooks 02_acceptance -p execute=false`), must name `output` the winner.
-CONV = f"h200-dsv4-convention-check-{STAMP}"
-job("convention-check", 1, 840, sweep("tiny-dsv4-convention-check", CONV), [CONV])
-job("convention-check-026", 1, 840, sweep("tiny-dsv4-convention-check", CONV), [CONV],
-    vllm="0.26")
-
-def _add_parity_jobs() -> None:
-    """The parity study's jobs (tools/gpu/parity_jobs.py, loaded by path: lab.py is also
-    imported as a file by the tests)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("parity_jobs",
-                                                  Path(__file__).with_name("parity_jobs.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    mod.add_jobs(job, sweep, STAMP, PY)
-
-
-_add_parity_jobs()
 
 
 def log(msg: str, fh=None) -> None:
@@ -452,11 +306,26 @@ def pick(todo: list[dict], free: dict[str, int], slots: int, ended: set[str],
     return None
 
 
+def list_jobs(release: str | None) -> int:
+    """Print the plan: every job, or those of `release` with that release's stamp."""
+    plan = PLAN if release in (None, RELEASE) else studies.plan(
+        studies.stamp(stamp_label(), release), PY)
+    jobs = [j for j in plan.jobs if release is None or j.vllm == release]
+    print(f"stamp {plan.stamp}; set-up builds fixtures {', '.join(plan.fixtures)}")
+    for j in jobs:
+        print(studies.describe(j))
+    print(f"{len(jobs)} jobs" + (f" for vLLM {release}" if release else ""))
+    return 0
+
+
 def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--vllm", required=True, help="the release this environment has, e.g. "
-                    "0.22 (jobs for other releases are skipped)")
-    ap.add_argument("--out", type=Path, required=True)
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--vllm", help="the release this environment has, e.g. 0.22 (jobs for "
+                    "other releases are skipped); needed unless --list")
+    ap.add_argument("--out", type=Path, help="where results.tar.gz, summary.json and "
+                    "driver.log go; needed unless --list")
+    ap.add_argument("--list", action="store_true", help="print the jobs in priority order "
+                    "(only --vllm's, with its stamp, when given) and exit; runs nothing")
     ap.add_argument("--deadline", type=float, default=540, help="seconds from now")
     ap.add_argument("--only", help="comma-separated job names, run in this order "
                     "(default: all of this release not yet done, in priority order)")
@@ -471,6 +340,11 @@ def main() -> int:
     ap.add_argument("--min-left", type=float, default=60,
                     help="do not start a job with less time than this left")
     a = ap.parse_args()
+    if a.list:
+        return list_jobs(a.vllm)
+    missing = [f"--{n}" for n in ("vllm", "out") if getattr(a, n) is None]
+    if missing:
+        ap.error(f"the following arguments are required: {', '.join(missing)} (or --list)")
     if a.vllm != RELEASE:
         ap.error(f"--vllm {a.vllm}, but this environment has vLLM {RELEASE} "
                  "(eval the unpack.sh line of the bundle you mean)")

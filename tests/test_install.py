@@ -125,7 +125,8 @@ def test_wheel_carries_profiles_notebooks_prompts_and_corpus(installed):
     for path in ("speclab/_data/profiles/tiny-cpu.yaml", "speclab/_data/notebooks/01_sweep.ipynb",
                  "speclab/_data/data/prompts/tiny-code.jsonl",
                  "speclab/_data/data/corpus/cpython-3.11.7-lib.jsonl",
-                 "speclab/_overlay/deepseek_v4_eagle3_aux.py"):
+                 "speclab/_overlay/deepseek_v4_eagle3_aux.py",
+                 "speclab/studies/10-dsv4-overlay.yaml", "speclab/studies/40-parity.yaml"):
         assert path in names, path
 
 

@@ -3,6 +3,7 @@ the jobs tools/gpu/lab.py defined in code before the move (tests/data/lab_plan.j
 from that code for both releases and two stamps), and a study that cannot be planned fails
 with one line per problem."""
 
+import itertools
 import json
 import shlex
 from pathlib import Path
@@ -71,7 +72,7 @@ def test_every_profile_and_script_a_job_names_exists():
     named = set()
     for j in plan.jobs:
         words = shlex.split(j.cmd[2]) if j.cmd[:2] == ["bash", "-c"] else j.cmd
-        named |= {b for a, b in zip(words, words[1:]) if a == "--profile"}
+        named |= {b for a, b in itertools.pairwise(words) if a == "--profile"}
         for w in words:
             if w.endswith(".py"):
                 assert (ROOT / w).is_file(), (j.name, w)
@@ -120,8 +121,8 @@ def test_steps_become_one_command(tmp_path):
     a, b = plan.jobs
     assert a.cmd == ["/py", "x.py", "--out", "data/runs/r-S", '{"k": 1}', "a b"]
     assert a.vllm == "0.22" and a.after == () and a.runs == ["r-S"]
-    assert b.cmd == ["bash", "-c", "export X=$Y; /py x.py install; trap '/py x.py uninstall' "
-                     "EXIT; /py y.py '*glob*'"]
+    assert b.cmd == ["bash", "-c", ("export X=$Y; /py x.py install; trap '/py x.py uninstall' "
+                                    "EXIT; /py y.py '*glob*'")]
     assert b.after == ("a",)
 
 

@@ -23,7 +23,7 @@ import re
 import shlex
 import sys
 from pathlib import Path
-from typing import Literal, Union
+from typing import Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -64,7 +64,7 @@ class OnExit(BaseModel):
     on_exit: list[str] = Field(min_length=1)
 
 
-Step = Union[list[str], Shell, OnExit]
+Step = list[str] | Shell | OnExit
 
 
 class Job(BaseModel):
@@ -84,7 +84,7 @@ class Job(BaseModel):
     join: Literal["and", "then"] = "and"
 
     @model_validator(mode="after")
-    def _steps(self) -> "Job":
+    def _steps(self) -> Job:
         if len(self.steps) == 1 and not isinstance(self.steps[0], list):
             raise ValueError("a job of one step runs an argv list (shell: and on_exit: need "
                              "other steps)")

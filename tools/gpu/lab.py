@@ -41,7 +41,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "src"))  # speclab from this checkout (the device has no install)
-from speclab import studies  # noqa: E402
+from speclab import studies
 
 STATE = Path(os.environ.get("LAB_STATE", "/tmp/speclab_lab"))  # one per concurrent lab.py
 PY = sys.executable

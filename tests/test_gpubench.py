@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from speclab import gpubench as G
-from speclab import steptiming
+from speclab import steptiming, store
 
 FAKES = Path(__file__).parent / "fakes"
 
@@ -236,4 +236,4 @@ def test_a_failed_warm_up_does_not_stop_the_driver(tmp_path, fake_pair):
     log = (state / "driver.log").read_text()
     assert "mHC warm-up: exit codes [1, 1]" in log  # the stand-in vLLM has no mHC kernels
     assert "No module named" in (state / "logs" / "warm0.log").read_text()
-    assert len(G.read_jsonl(state / "results.jsonl")) > 0
+    assert len(store.read_jsonl(state / "results.jsonl")) > 0

@@ -389,17 +389,6 @@ def _log_to(fh) -> list[logging.Handler]:
     return handlers
 
 
-def read_jsonl(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
-
-
-def append_jsonl(path: Path, row: dict) -> None:
-    with open(path, "a") as fh:
-        fh.write(json.dumps(row) + "\n")
-
-
 @dataclass
 class Worker:
     eng: Engine
@@ -536,10 +525,12 @@ def drive(state: Path, deadline: float, plan_name: str, rounds: int,
 
 def _drive(state: Path, deadline: float, plan_name: str, rounds: int, paths, fh,
            warm_procs: int) -> int:
+    from speclab import store
+
     plan = PLANS[plan_name]()
     results = state / "results.jsonl"
     engines_file = state / "engines.jsonl"
-    done = {(r["engine"], r["op"], r["round"], r["B"]) for r in read_jsonl(results)}
+    done = {(r["engine"], r["op"], r["round"], r["B"]) for r in store.read_jsonl(results)}
     warming = start_warm(state, warm_procs) if warm_procs else []
     paths = paths or build_fixtures(plan, fh)
     if warming:
@@ -590,7 +581,7 @@ def _drive(state: Path, deadline: float, plan_name: str, rounds: int, paths, fh,
                 facts = log_facts(w.log_path.read_text(errors="replace"))
                 row = {"engine": w.eng.name, **asdict(w.eng), **w.ready, "log_facts": facts,
                        "gpu_used_gib": gpu_memory()[1]}
-                append_jsonl(engines_file, row)
+                store.append_jsonl(engines_file, row)
                 LOG.info(f"{w.eng.name} ready in {w.ready['engine_init_s']} s: "
                          f"{w.ready['resolved']}")
             used_now = gpu_memory()[1]
@@ -611,7 +602,7 @@ def _drive(state: Path, deadline: float, plan_name: str, rounds: int, paths, fh,
                     row = {"engine": w.eng.name, "layers": w.eng.layers, "k": w.eng.k,
                            "eager": w.eng.eager, "draft_kv_group": w.eng.draft_kv_group, "round": r, "B": B, **ans,
                            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-                    append_jsonl(results, row)
+                    store.append_jsonl(results, row)
                     done.add((w.eng.name, op, r, B))
                     exp = ans.get("expected")
                     ok = exp is None or exp["accepted_per_pos"] == ans["counters"].get(

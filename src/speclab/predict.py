@@ -55,7 +55,7 @@ def acceptance_length(rates, k: int) -> float:
 # --------------------------------------------------------------------------- measurements
 def load(run_dir: Path) -> pd.DataFrame:
     """Every pass of a gpubench run (all calls: `results.jsonl` in the folder or below it)."""
-    from speclab.gpubench import read_jsonl
+    from speclab.store import read_jsonl
 
     rows = [r for path in sorted(Path(run_dir).rglob("results.jsonl")) for r in read_jsonl(path)]
     if not rows:

@@ -441,3 +441,17 @@ def needs_run(run_dir: Path, point_id: str, fp: dict, when: str,
                     f"({why}); previous result moved to {dest}, measuring again")
         return True
     return meta["status"] != "ok" and retry_failed
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """A JSON-lines log (gpubench's passes and engines), [] when it is not there."""
+    if not path.exists():
+        return []
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+
+
+def append_jsonl(path: Path, row: dict) -> None:
+    """One line more in a JSON-lines log: a line at a time, so a driver cut short leaves
+    every finished pass."""
+    with open(path, "a") as fh:
+        fh.write(json.dumps(row) + "\n")

@@ -4,22 +4,13 @@ the vLLM releases that serve them; revisions (speclab.revisions)."""
 import json
 from pathlib import Path
 
-import pandas as pd
 import pytest
-import yaml
+from profile_files import write
 
 from speclab import engine, fingerprint, memory, methods, metrics, profiles, revisions, store
 from speclab.profiles import ProfileError
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def write(tmp_path, **data):
-    base = {"name": "t", "backend": "cpu", "target": str(tmp_path), "draft": str(tmp_path),
-            "prompts": {"file": str(tmp_path / "p.jsonl")}}
-    p = tmp_path / "t.yaml"
-    p.write_text(yaml.safe_dump({**base, **data}))
-    return p
 
 
 def test_methods_share_one_plain_point_and_only_eagle3_has_draft_settings(tmp_path):

@@ -3,18 +3,10 @@ import subprocess
 import sys
 
 import pytest
-import yaml
+from profile_files import write
 
 from speclab import preflight, profiles, sweep
 from speclab.profiles import ProfileError
-
-
-def write(tmp_path, **data):
-    base = {"name": "t", "backend": "cpu", "target": str(tmp_path), "draft": str(tmp_path),
-            "prompts": {"file": str(tmp_path / "p.jsonl")}}
-    p = tmp_path / "t.yaml"
-    p.write_text(yaml.safe_dump({**base, **data}))
-    return p
 
 
 @pytest.mark.parametrize("name", profiles.available())

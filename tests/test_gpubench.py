@@ -59,6 +59,23 @@ def test_drive_interleaves_checks_and_resumes(tmp_path, fake_pair):
     assert len((state / "results.jsonl").read_text().splitlines()) == n
 
 
+def test_pass_length_follows_tokens(tmp_path, fake_pair):
+    state = tmp_path / "state"
+    assert G.drive(state, time.time() + 300, "smoke", 0, paths=fake_pair, tokens=40) == 0
+    passes = [r for r in store.read_jsonl(state / "results.jsonl") if r["op"] == "pass"]
+    assert passes and all(r["output_tokens"] == 40 * r["B"] for r in passes)
+    assert all(r["outputs_exact"] == r["B"] for r in passes)
+    assert all(r["counters"]["accepted_per_pos"] == r["expected"]["accepted_per_pos"]
+               for r in passes if r["k"])
+
+
+def test_a_pass_longer_than_the_model_allows_is_refused_before_any_engine(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        G.main(["drive", "--state", str(tmp_path / "s"), "--deadline", "0", "--tokens", "4000"])
+    assert "--tokens 4000" in capsys.readouterr().err
+    assert not (tmp_path / "s").exists()
+
+
 def test_drive_starts_nothing_past_its_deadline(tmp_path, fake_pair):
     state = tmp_path / "state"
     G.drive(state, time.time() + 60, "smoke", 2, paths=fake_pair)

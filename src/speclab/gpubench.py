@@ -39,6 +39,7 @@ from pathlib import Path
 PROMPT_LEN = 256
 MAX_TOKENS = 128
 MAX_BATCHED = 4096  # max_num_batched_tokens of every engine
+MAX_MODEL_LEN = 2048
 ROUNDS = 5
 EXTRA_ROUNDS = 3
 GIB = 2 ** 30
@@ -104,13 +105,13 @@ def prompt_lengths(B: int, length: int = PROMPT_LEN, budget: int = MAX_BATCHED) 
     return [total // B + (i < total % B) for i in range(B)]
 
 
-def batch_prompts(B: int, seed: int, k: int) -> list[list[int]]:
+def batch_prompts(B: int, seed: int, k: int, tokens: int = MAX_TOKENS) -> list[list[int]]:
     """The pass's prompts (`prompt_lengths`): the tails of the oracle's random prompts, so each
-    still ends on an id whose greedy continuation stays in the draft vocabulary."""
+    still ends on an id whose greedy continuation of `tokens` stays in the draft vocabulary."""
     from speclab.fixtures import realshape
 
     lengths = prompt_lengths(B)
-    full = realshape.prompt_ids(B, max(lengths), seed=seed, max_tokens=MAX_TOKENS, k=k)
+    full = realshape.prompt_ids(B, max(lengths), seed=seed, max_tokens=tokens, k=k)
     return [p[len(p) - n:] for p, n in zip(full, lengths)]
 
 
@@ -187,7 +188,7 @@ def engine_args(eng: Engine, target: str, draft: str | None, kv_bytes: int,
                 gpu_fraction: float) -> dict:
     """`LLM(**args)` for one engine of the plan."""
     args = {"model": target, "skip_tokenizer_init": True, "kv_cache_dtype": "fp8",
-                "enforce_eager": eng.eager, "max_model_len": 2048, "max_num_seqs": eng.max_num_seqs,
+                "enforce_eager": eng.eager, "max_model_len": MAX_MODEL_LEN, "max_num_seqs": eng.max_num_seqs,
                 "max_num_batched_tokens": MAX_BATCHED, "enable_prefix_caching": False,
                 "disable_log_stats": False, "seed": 0, "gpu_memory_utilization": gpu_fraction,
                 "kv_cache_memory_bytes": kv_bytes}
@@ -277,24 +278,24 @@ def worker(spec: dict, out_fd: int) -> int:
         if cmd["op"] == "stop":
             break
         offset = log_path.stat().st_size if log_path.exists() else 0
-        B, seed = cmd["B"], cmd["seed"]
-        prompts = batch_prompts(B, seed, k)
+        B, seed, n = cmd["B"], cmd["seed"], cmd.get("tokens", MAX_TOKENS)
+        prompts = batch_prompts(B, seed, k, n)
         if cmd["op"] == "pass":
             t1, _, _ = gen(prompts, 1)
-            tn, outs, c = gen(prompts, MAX_TOKENS)
-            exact = sum(list(o.outputs[0].token_ids) == realshape.greedy(succ, p, MAX_TOKENS)
+            tn, outs, c = gen(prompts, n)
+            exact = sum(list(o.outputs[0].token_ids) == realshape.greedy(succ, p, n)
                         for o, p in zip(outs, prompts))
             msg = {"op": "pass", "t_prefill_s": t1, "t_full_s": tn, "counters": c,
                    "outputs_exact": exact, "jit_compiled": jit_since(offset),
                    "prompt_tokens": sum(map(len, prompts)),
                    "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs)}
             if k:
-                msg["expected"] = realshape.expected_counters(succ, prompts, k, MAX_TOKENS)
+                msg["expected"] = realshape.expected_counters(succ, prompts, k, n)
             say(msg)
         elif cmd["op"] == "split":
             before = len(steptiming.read(timing))
             (timing / steptiming.FLAG).touch()
-            tn, _, c = gen(prompts, MAX_TOKENS)
+            tn, _, c = gen(prompts, n)
             (timing / steptiming.FLAG).unlink()
             gen(prompts[:1], 2)  # the next drafter call writes the recorded events out
             calls = steptiming.read(timing)[before:]
@@ -510,21 +511,22 @@ def index_gib(target: str) -> float:
 
 
 def drive(state: Path, deadline: float, plan_name: str, rounds: int,
-          paths: dict | None = None, warm_procs: int = 0) -> int:
-    """Run the plan's engines (module doc) until done or `deadline`; `paths`: {Engine.fixture:
-    (target, draft)} instead of building the fixtures."""
+          paths: dict | None = None, warm_procs: int = 0, tokens: int = MAX_TOKENS) -> int:
+    """Run the plan's engines (module doc) until done or `deadline`, `tokens` greedy tokens a
+    request in each pass; `paths`: {Engine.fixture: (target, draft)} instead of building the
+    fixtures."""
     state.mkdir(parents=True, exist_ok=True)
     with open(state / "driver.log", "a") as fh:
         handlers = _log_to(fh)
         try:
-            return _drive(state, deadline, plan_name, rounds, paths, fh, warm_procs)
+            return _drive(state, deadline, plan_name, rounds, paths, fh, warm_procs, tokens)
         finally:
             for h in handlers:
                 LOG.removeHandler(h)
 
 
 def _drive(state: Path, deadline: float, plan_name: str, rounds: int, paths, fh,
-           warm_procs: int) -> int:
+           warm_procs: int, tokens: int) -> int:
     from speclab import store
 
     plan = PLANS[plan_name]()
@@ -597,7 +599,7 @@ def _drive(state: Path, deadline: float, plan_name: str, rounds: int, paths, fh,
                         continue
                     if deadline - time.time() < 30:
                         raise TimeoutError("deadline")
-                    ans = w.ask({"op": op, "B": B, "seed": 1000 * r + B},
+                    ans = w.ask({"op": op, "B": B, "seed": 1000 * r + B, "tokens": tokens},
                                 max(10, deadline - time.time()))
                     row = {"engine": w.eng.name, "layers": w.eng.layers, "k": w.eng.k,
                            "eager": w.eng.eager, "draft_kv_group": w.eng.draft_kv_group, "round": r, "B": B, **ans,
@@ -639,6 +641,8 @@ def main(argv=None) -> int:
     d.add_argument("--rounds", type=int, default=ROUNDS)
     d.add_argument("--warm", type=int, default=0, metavar="PROCS",
                    help="compile the mHC kernel variants first in PROCS processes")
+    d.add_argument("--tokens", type=int, default=MAX_TOKENS,
+                   help="greedy tokens a request in each pass (longer passes: less host noise)")
     m = sub.add_parser("warm")
     m.add_argument("config")
     m.add_argument("sizes")
@@ -646,11 +650,15 @@ def main(argv=None) -> int:
     w.add_argument("spec")
     w.add_argument("fd", type=int)
     a = ap.parse_args(argv)
+    longest = MAX_MODEL_LEN - PROMPT_LEN - 8  # room for k <= 5 draft tokens past the last
+    if a.cmd == "drive" and not 2 <= a.tokens <= longest:
+        ap.error(f"--tokens {a.tokens}: a pass needs 2 to {longest} tokens a request "
+                 f"({PROMPT_LEN}-token prompts, max_model_len {MAX_MODEL_LEN})")
     if a.cmd == "worker":
         return worker(json.loads(a.spec), a.fd)
     if a.cmd == "warm":
         return warm(json.loads(a.config), [int(n) for n in a.sizes.split(",")])
-    return drive(a.state, a.deadline, a.plan, a.rounds, warm_procs=a.warm)
+    return drive(a.state, a.deadline, a.plan, a.rounds, warm_procs=a.warm, tokens=a.tokens)
 
 
 if __name__ == "__main__":

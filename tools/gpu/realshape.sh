@@ -3,7 +3,8 @@
 #   bash tools/gpu/realshape.sh carry              collect the carried bundle parts (unpack.sh)
 #   bash tools/gpu/realshape.sh start MIN [PLAN [ROUNDS]]   set up once (bundle, overlay, step-timing
 #        plugin, carried JIT caches), then start `python -m speclab.gpubench drive` (first
-#        compiling the mHC kernel variants in $WARM processes, default 8) in a
+#        compiling the mHC kernel variants in $WARM processes, default 8; $TOKENS greedy
+#        tokens a request in each pass, default 128) in a
 #        session of its own with a deadline MIN minutes from now; returns at once
 #   bash tools/gpu/realshape.sh collect SECONDS [jit]   wait up to SECONDS while the driver
 #        runs, then copy its results and logs (and with `jit` the JIT caches) to $OUT
@@ -47,7 +48,7 @@ start)
   export SPECLAB_CACHE=$(cat "$STATE/cache_dir")
   deadline=$(( $(date +%s) + ${2:?minutes} * 60 ))
   setsid nohup python3 -m speclab.gpubench drive --state "$STATE" --deadline "$deadline" \
-    --plan "${3:-timing-eagle31}" --rounds "${4:-5}" --warm "${WARM:-8}" > "$STATE/daemon.out" 2>&1 < /dev/null &
+    --plan "${3:-timing-eagle31}" --rounds "${4:-5}" --warm "${WARM:-8}" --tokens "${TOKENS:-128}" > "$STATE/daemon.out" 2>&1 < /dev/null &
   echo "driver pid $! until $(date -d @$deadline +%T) (cache $SPECLAB_CACHE); setup $(( $(date +%s) - T0 )) s"
   sleep 20; tail -n 5 "$STATE/daemon.out" ;;
 collect)

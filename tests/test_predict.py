@@ -106,6 +106,21 @@ def test_extrapolation_is_linear_in_layers():
         predict.extrapolate(predict.step_costs(rows(rounds=2)), drafts, (0.6,))
 
 
+def test_no_extrapolation_from_a_step_that_does_not_grow_with_depth():
+    """The control: plain steps equal at 4 and 8 layers (host-bound) give no line to extend."""
+    res = rows(layers=(4, 8), rounds=3)
+    plain = res.k == 0
+    flat = res[plain & (res.layers == 4)].set_index(["round", "B"]).t_full_s
+    deep = plain & (res.layers == 8)
+    res.loc[deep, "t_full_s"] = [flat[(r, B)] for r, B in zip(res[deep]["round"], res[deep].B)]
+    costs, drafts = predict.step_costs(res), predict.draft_ms(res)
+    with pytest.raises(ValueError, match="does not grow"):
+        predict.extrapolate(costs, drafts, predict.PUBLISHED_EAGLE31, layers=43)
+    ex = predict.extrapolate(predict.step_costs(rows(layers=(4, 8), rounds=3)), drafts,
+                             predict.PUBLISHED_EAGLE31, layers=43)
+    assert ex["fit"].resolved.all()
+
+
 def test_report_writes_tables_figure_and_html(tmp_path):
     run = tmp_path / "run"
     (run / "call1").mkdir(parents=True)

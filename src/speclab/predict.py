@@ -221,7 +221,10 @@ def extrapolate(costs: pd.DataFrame, drafts: pd.DataFrame, rates, layers: int =
     """Predicted speedup per (k, B) at `layers` decoder layers: per batch size n, a line
     T_plain(n, L) = a + b L through the measured layer counts (least squares; needs two),
     the drafter times of the deepest measured run (the draft does not grow with the target).
-    Returns {"fit": rows of (n, a, b), "prediction": rows like `predict`}."""
+    A batch size is extrapolated only where the deepest plain step's 95% interval lies above
+    the shallowest one's: a step that does not grow resolvably with depth is host time, and
+    a line through it says nothing about `layers` (ValueError when no batch size resolves).
+    Returns {"fit": rows of (n, a, b, resolved), "prediction": rows like `predict`}."""
     plain = costs[(costs.k == 0) & (costs.eager == eager)]
     Ls = sorted(plain.layers.unique())
     if len(Ls) < 2:
@@ -232,9 +235,16 @@ def extrapolate(costs: pd.DataFrame, drafts: pd.DataFrame, rates, layers: int =
         if g.layers.nunique() < 2:
             continue
         b, a = np.polyfit(g.layers.astype(float), g.step_ms, 1)
-        fit.append({"n": int(n), "a_ms": a, "b_ms_per_layer": b})
-        synth.append({"layers": layers, "eager": eager, "k": 0, "B": int(n),
-                      "step_ms": a + b * layers})
+        lo, hi = g.loc[g.layers.idxmin()], g.loc[g.layers.idxmax()]
+        resolved = bool(hi.step_lo > lo.step_hi)
+        fit.append({"n": int(n), "a_ms": a, "b_ms_per_layer": b, "resolved": resolved})
+        if resolved:
+            synth.append({"layers": layers, "eager": eager, "k": 0, "B": int(n),
+                          "step_ms": a + b * layers})
+    if not synth:
+        raise ValueError(f"the plain step does not grow beyond its 95% interval from "
+                         f"{int(Ls[0])} to {int(Ls[-1])} layers at any batch size (host-bound "
+                         f"steps): a line through them says nothing about {layers} layers")
     deepest = max(drafts[drafts.eager == eager].layers, default=Ls[-1])
     d = drafts[(drafts.layers == deepest) & (drafts.eager == eager)].assign(layers=layers)
     spec_B = sorted(costs[costs.k > 0].B.unique())
@@ -338,7 +348,7 @@ def report(run_dir: Path, rates=PUBLISHED_EAGLE31, layers: int = PRODUCTION_LAYE
                   f"{ex['layers_measured']}; drafter times from the {ex['drafts_from_layers']}-"
                   "layer run. One GPU, TP 1; TP 4/8 + EP adds all-to-all per MoE layer and "
                   "divides the experts per GPU, which no run here covers."), "",
-                  _md(ex["fit"], ["n", "a_ms", "b_ms_per_layer"]), "",
+                  _md(ex["fit"], ["n", "a_ms", "b_ms_per_layer", "resolved"]), "",
                   _md(ex["prediction"], ["draft", "B", "k", "al", "verify_ms", "draft_ms",
                                          "pred_step_ms", "pred_tok_s", "pred_speedup", "best"]),
                   ""]

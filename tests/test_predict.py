@@ -19,28 +19,30 @@ def t_draft(k, B):
     return 0.25 + 0.15 * k + 0.01 * B * k
 
 
-def rows(layers=(4,), rounds=5, rates=(0.7, 0.5, 0.35, 0.25, 0.18), seed=0):
-    """Passes as gpubench writes them (prefill 10 ms), 1% noise on decode times."""
+def rows(layers=(4,), rounds=5, rates=(0.7, 0.5, 0.35, 0.25, 0.18), seed=0, n=N):
+    """Passes as gpubench writes them (prefill 10 ms, `n` tokens a request), 1% noise on
+    decode times."""
     g = np.random.default_rng(seed)
     out = []
     for L in layers:
         plain_B = sorted({b * (k + 1) for b in (1, 4, 16) for k in range(6)})
         for r in range(rounds + 1):
             for B in plain_B:
-                dec = (N - 1) * t_plain(B, L) / 1e3 * g.normal(1, 0.01)
+                dec = (n - 1) * t_plain(B, L) / 1e3 * g.normal(1, 0.01)
                 out.append({"engine": f"L{L}-k0", "op": "pass", "layers": L, "k": 0, "eager": False,
                                 "round": r, "B": B, "t_prefill_s": 0.01, "t_full_s": 0.01 + dec,
+                                "output_tokens": B * n,
                                 "counters": {"num_drafts": 0}})
             for k in range(1, 6):
                 for B in (1, 4, 16):
                     al = 1 + sum(rates[:k])
-                    steps = (N - 1) / al
+                    steps = (n - 1) / al
                     step = t_plain(B * (k + 1), L) + t_draft(k, B)
                     dec = steps * step / 1e3 * g.normal(1, 0.01)
                     acc = [round(B * steps * p) for p in rates[:k]]
                     out.append({"engine": f"L{L}-k{k}", "op": "pass", "layers": L, "k": k,
                                     "eager": False, "round": r, "B": B, "t_prefill_s": 0.01,
-                                    "t_full_s": 0.01 + dec,
+                                    "t_full_s": 0.01 + dec, "output_tokens": B * n,
                                     "counters": {"num_drafts": B * steps, "accepted_per_pos": acc}})
         for k in range(1, 6):
             for B in (1, 4, 16):
@@ -104,6 +106,16 @@ def test_extrapolation_is_linear_in_layers():
     assert row.pred_speedup == pytest.approx(expect, rel=0.05)
     with pytest.raises(ValueError, match="two layer counts"):
         predict.extrapolate(predict.step_costs(rows(rounds=2)), drafts, (0.6,))
+
+
+def test_pass_length_comes_from_the_pass():
+    """Passes of 512 tokens (`gpubench drive --tokens 512`) price the same steps and AL."""
+    c = predict.step_costs(rows(n=512))
+    plain = c[(c.k == 0) & (c.B == 4)].iloc[0]
+    assert plain.step_ms == pytest.approx(t_plain(4), rel=0.02)
+    r = c[(c.k == 3) & (c.B == 4)].iloc[0]
+    assert r.step_ms == pytest.approx(t_plain(16) + t_draft(3, 4), rel=0.02)
+    assert r.al == pytest.approx(1 + 0.7 + 0.5 + 0.35, rel=0.01)
 
 
 def test_no_extrapolation_from_a_step_that_does_not_grow_with_depth():

@@ -92,10 +92,14 @@ def passes(results: pd.DataFrame, max_tokens: int = 128) -> pd.DataFrame:
         df = df[df[col] <= STALL * df.groupby(["engine", "B"])[col].transform("median")]
     df["draft"] = [draft_setting(e, k) for e, k in zip(df.engine, df.k)]
     drafts = df.counters.map(lambda c: c.get("num_drafts", 0))
-    df["steps"] = np.where(df.k > 0, drafts / df.B, max_tokens - 1)
+    # tokens a request after the first: from the pass's own output when recorded
+    # (`gpubench drive --tokens`), else `max_tokens`
+    after = (df.output_tokens / df.B if "output_tokens" in df else
+             pd.Series(max_tokens, index=df.index)).fillna(max_tokens) - 1
+    df["steps"] = np.where(df.k > 0, drafts / df.B, after)
     df["step_ms"] = 1e3 * df.decode_s / df.steps
-    df["tok_s"] = df.B * (max_tokens - 1) / df.decode_s
-    df["al"] = np.where(df.k > 0, (max_tokens - 1) / df.steps, 1.0)
+    df["tok_s"] = df.B * after / df.decode_s
+    df["al"] = np.where(df.k > 0, after / df.steps, 1.0)
     return df
 
 

@@ -36,7 +36,7 @@ def test_drive_interleaves_checks_and_resumes(tmp_path, fake_pair):
     assert G.drive(state, time.time() + 300, "smoke", 2, paths=fake_pair) == 0
     rows = [json.loads(x) for x in (state / "results.jsonl").read_text().splitlines()]
     passes = [r for r in rows if r["op"] == "pass"]
-    # rounds 0..2 of B=1 for both engines, plain's extra B=4 in rounds 0..3, one split
+    # rounds 0..2 of B=1 for both engines, plain's extra B=4 in rounds 0..3, a split each
     assert sorted((r["engine"], r["round"], r["B"]) for r in passes) == sorted(
         [(e, r, 1) for e in ("L4-k0-graphs", "L4-k3-graphs") for r in range(3)]
         + [("L4-k0-graphs", r, 4) for r in range(4)])
@@ -46,7 +46,8 @@ def test_drive_interleaves_checks_and_resumes(tmp_path, fake_pair):
         assert r["outputs_exact"] == r["B"]
         if r["k"]:
             assert r["counters"]["accepted_per_pos"] == r["expected"]["accepted_per_pos"]
-    assert [r["op"] for r in rows].count("split") == 1
+    splits = [(r["engine"], r["B"]) for r in rows if r["op"] == "split"]
+    assert sorted(splits) == [("L4-k0-graphs", 1), ("L4-k3-graphs", 1)]  # plain's anatomy too
     jit = {(r["round"], r["B"]): r["jit_compiled"] for r in passes if r["k"] == 0}
     assert jit[(0, 4)] == ["mhc_pre_big_fuse_tilelang"] and not any(
         v for key, v in jit.items() if key != (0, 4))
@@ -139,23 +140,24 @@ def test_engine_args_capture_every_verify_step():
                                                      G.KV_BYTES, 0.2)
 
 
+class _Event:  # CPU stand-in for torch.cuda.Event
+    def __init__(self, enable_timing=False):
+        self.t = None
+
+    def record(self):
+        self.t = time.perf_counter()
+
+    def synchronize(self):
+        pass
+
+    def elapsed_time(self, end):
+        return (end.t - self.t) * 1e3
+
+
 def test_steptiming_records_only_while_active(tmp_path, monkeypatch):
     import torch
 
-    class Event:  # CPU stand-in for torch.cuda.Event
-        def __init__(self, enable_timing=False):
-            self.t = None
-
-        def record(self):
-            self.t = time.perf_counter()
-
-        def synchronize(self):
-            pass
-
-        def elapsed_time(self, end):
-            return (end.t - self.t) * 1e3
-
-    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "Event", _Event)
     calls = []
 
     def propose(self, scheduler_output):
@@ -176,6 +178,49 @@ def test_steptiming_records_only_while_active(tmp_path, monkeypatch):
     rows = steptiming.read(tmp_path)
     assert len(rows) == 2 and len(calls) == 4
     assert all(r["tokens"] == 8 and r["reqs"] == 2 and r["ms"] >= 2 for r in rows)
+
+
+def test_steptiming_times_each_part_of_a_step_on_host_and_gpu(tmp_path, monkeypatch):
+    """The plugin patches the runner's forward, sampling and drafter; a step's records carry
+    their op, the step's counts (sampling takes the forward's) and host and GPU times."""
+    import types
+
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "Event", _Event)
+
+    class Runner:  # GPUModelRunner's three timed methods, each a known duration
+        def execute_model(self, scheduler_output, intermediate_tensors=None):
+            time.sleep(0.003)
+
+        def sample_tokens(self, grammar_output):
+            time.sleep(0.001)
+            return self.propose_draft_token_ids(self.so, [[1]])
+
+        def propose_draft_token_ids(self, scheduler_output, sampled):
+            time.sleep(0.002)
+            return "drafts"
+
+    mod = types.ModuleType("vllm.v1.worker.gpu_model_runner")
+    mod.GPUModelRunner = Runner
+    monkeypatch.setitem(sys.modules, "vllm.v1.worker.gpu_model_runner", mod)
+    monkeypatch.setenv(steptiming.ENV, str(tmp_path))
+    steptiming.install()
+    steptiming.install()  # a second plugin load wraps nothing twice
+    r = Runner()
+    r.so = type("S", (), {"total_num_scheduled_tokens": 12, "num_scheduled_tokens": [4] * 3})()
+    (tmp_path / steptiming.FLAG).touch()
+    r.execute_model(r.so)
+    assert r.sample_tokens(None) == "drafts"
+    (tmp_path / steptiming.FLAG).unlink()
+    r.execute_model(r.so)  # the next step writes the pending records out
+    rows = {x["op"]: x for x in steptiming.read(tmp_path)}
+    assert set(rows) == {"execute", "sample", "propose"}
+    assert all(x["tokens"] == 12 and x["reqs"] == 3 for x in rows.values())
+    assert rows["execute"]["host_ms"] >= 3 and rows["execute"]["ms"] >= 3
+    assert rows["propose"]["host_ms"] >= 2
+    assert rows["sample"]["host_ms"] >= 3  # sampling includes the drafter
+    assert len(steptiming.read(tmp_path)) == 3
 
 
 def test_plugin_dist_is_found_by_entry_points(tmp_path):

@@ -78,3 +78,13 @@ def test_parity_margin_axis_has_units():
     fig = plots.parity_overview(summary, cmp, 0.05, "t")
     assert "(nats)" in fig.axes[2].get_xlabel()
     assert "Wilson 95% CI over prompts (N = 2" in _texts(fig)
+
+
+def test_a_figure_saved_again_has_the_same_bytes(tmp_path):
+    """Re-rendering a committed report must not churn its SVGs (matplotlib's random ids)."""
+    df = pd.DataFrame([{"point_id": "k1_a", "k": 1, "position": 0, "unconditional": 0.7,
+                        "u_lo": 0.6, "u_hi": 0.8, "conditional": 0.7, "c_lo": 0.6,
+                        "c_hi": 0.8, "n_requests": 8}])
+    for out in ("a", "b"):
+        plots.save(plots.per_position(df, "t"), tmp_path / out, "pp")
+    assert (tmp_path / "a/pp.svg").read_bytes() == (tmp_path / "b/pp.svg").read_bytes()

@@ -118,6 +118,32 @@ def test_pass_length_comes_from_the_pass():
     assert r.al == pytest.approx(1 + 0.7 + 0.5 + 0.35, rel=0.01)
 
 
+def test_step_anatomy_and_drafter_host_time_from_timed_calls():
+    """Split passes with every part timed: medians per part at the decode steps only, the
+    drafter's host time beside its GPU time; records without an op count as the drafter's."""
+    def call(op, tokens, ms, host):
+        return {"op": op, "tokens": tokens, "reqs": 4, "ms": ms, "host_ms": host}
+
+    steps = [c for i in range(9) for c in (call("execute", 16, 2.0 + i % 2, 4.0),
+                                           call("sample", 16, 3.0, 6.0),
+                                           call("propose", 16, 2.5, 5.0 + i % 3))]
+    prefill = [call("execute", 1024, 50.0, 9.0), call("propose", 1024, 9.0, 9.0)]
+    split = pd.DataFrame([
+        {"engine": "L4-k3-graphs-drafteager", "op": "split", "layers": 4, "k": 3,
+         "eager": False, "round": 0, "B": 4, "calls": prefill + steps, "counters": {}},
+        {"engine": "L4-k0-graphs", "op": "split", "layers": 4, "k": 0, "eager": False,
+         "round": 0, "B": 4, "calls": [call("execute", 4, 1.0, 3.0)] * 3, "counters": {}}])
+    a = predict.step_anatomy(split).set_index("k")
+    assert a.loc[3, ["execute_ms", "execute_host_ms", "sample_host_ms", "propose_ms"]].tolist() \
+        == [2.0, 4.0, 6.0, 2.5]
+    assert a.loc[3, "propose_host_ms"] == 6.0 and a.loc[3, "draft"] == "drafteager"
+    assert a.loc[0, "execute_host_ms"] == 3.0 and np.isnan(a.loc[0, "propose_ms"])
+    d = predict.draft_ms(split).iloc[0]
+    assert (d.draft_ms, d.draft_host_ms, d.draft_calls) == (2.5, 6.0, 9)
+    old = split.iloc[:1].assign(calls=[[{"tokens": 16, "reqs": 4, "ms": 1.5}] * 3])
+    assert predict.draft_ms(old).draft_ms.tolist() == [1.5] and predict.step_anatomy(old).empty
+
+
 def test_no_extrapolation_from_a_step_that_does_not_grow_with_depth():
     """The control: plain steps equal at 4 and 8 layers (host-bound) give no line to extend."""
     res = rows(layers=(4, 8), rounds=3)

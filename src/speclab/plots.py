@@ -31,9 +31,10 @@ def save(fig, out_dir: str | Path, name: str, caption: str | None = None) -> Non
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = [out_dir / f"{name}.{ext}" for ext in ("png", "svg")]
-    for p in paths:
-        fig.savefig(p, dpi=130 if p.suffix == ".png" else None, bbox_inches="tight",
-                    metadata={"Date": None} if p.suffix == ".svg" else None)
+    with matplotlib.rc_context({"svg.hashsalt": name}):  # the same figure, the same bytes
+        for p in paths:
+            fig.savefig(p, dpi=130 if p.suffix == ".png" else None, bbox_inches="tight",
+                        metadata={"Date": None} if p.suffix == ".svg" else None)
 
 
 def _footer(fig, text: str) -> None:

@@ -131,19 +131,51 @@ def step_costs(results: pd.DataFrame, max_tokens: int = 128) -> pd.DataFrame:
     return out
 
 
+def _step_calls(r, op: str) -> list[dict]:
+    """A split pass's recorded calls of `op` at its decode steps (B (k + 1) scheduled tokens:
+    plain or verify steps; prefill steps excluded); records without an op are the drafter's."""
+    return [c for c in r["calls"] if c.get("op", "propose") == op
+            and c["tokens"] == r.B * (r.k + 1)]
+
+
+def _splits(results: pd.DataFrame) -> pd.DataFrame:
+    return results[results.op == "split"] if "op" in results else results.iloc[:0]
+
+
 def draft_ms(results: pd.DataFrame) -> pd.DataFrame:
-    """Drafter GPU time per decode step (median over a split pass's calls whose scheduled
-    tokens are B (k + 1): the verify steps; prefill steps excluded) per (layers, eager, draft,
-    k, B)."""
+    """Drafter GPU time per decode step (median over a split pass's drafter calls at its
+    verify steps) per (layers, eager, draft, k, B), with its host time where recorded."""
     rows = []
-    split = results[results.op == "split"] if "op" in results else results.iloc[:0]
-    for _, r in split.iterrows():
-        calls = [c["ms"] for c in r["calls"] if c["tokens"] == r.B * (r.k + 1)]
-        if calls:
+    for _, r in _splits(results).iterrows():
+        calls = _step_calls(r, "propose")
+        if r.k and calls:
+            host = [c["host_ms"] for c in calls if "host_ms" in c]
             rows.append({"layers": r.layers, "eager": r.eager,
                          "draft": draft_setting(r.engine, r.k), "k": r.k, "B": r.B,
-                         "draft_ms": float(np.median(calls)), "draft_calls": len(calls)})
-    return pd.DataFrame(rows, columns=[*CONFIG, "k", "B", "draft_ms", "draft_calls"])
+                         "draft_ms": float(np.median([c["ms"] for c in calls])),
+                         "draft_host_ms": float(np.median(host)) if host else np.nan,
+                         "draft_calls": len(calls)})
+    return pd.DataFrame(rows, columns=[*CONFIG, "k", "B", "draft_ms", "draft_host_ms",
+                                       "draft_calls"])
+
+
+def step_anatomy(results: pd.DataFrame) -> pd.DataFrame:
+    """Per split pass: median GPU and host ms per decode step of the target's forward
+    (`execute`), of sampling (`sample`, which holds the drafter) and of the drafter
+    (`propose`), from `speclab.steptiming`'s records (runs that recorded only the drafter
+    have no rows here)."""
+    rows = []
+    for _, r in _splits(results).iterrows():
+        row = {"layers": r.layers, "eager": r.eager, "draft": draft_setting(r.engine, r.k),
+               "k": r.k, "B": r.B}
+        for op in ("execute", "sample", "propose"):
+            calls = _step_calls(r, op)
+            row[f"{op}_ms"] = float(np.median([c["ms"] for c in calls])) if calls else np.nan
+            host = [c["host_ms"] for c in calls if "host_ms" in c]
+            row[f"{op}_host_ms"] = float(np.median(host)) if host else np.nan
+        if not np.isnan(row["execute_ms"]):
+            rows.append(row)
+    return pd.DataFrame(rows)
 
 
 # --------------------------------------------------------------------------- the model
@@ -345,6 +377,17 @@ def report(run_dir: Path, rates=PUBLISHED_EAGLE31, layers: int = PRODUCTION_LAYE
                   f"and the point's measured acceptance; largest |error| {worst:.1%}."), "",
                   _md(val, [*CONFIG, "B", "k", "step_ms", "pred_step_ms", "verify_ms",
                             "draft_ms", "speedup", "pred_speedup", "error"]), ""]
+    anatomy = step_anatomy(res)
+    if len(anatomy):
+        cols = [*CONFIG, "k", "B", *(f"{op}_{t}" for op in ("execute", "sample", "propose")
+                                     for t in ("ms", "host_ms"))]
+        lines += ["## Step anatomy (split passes)", "",
+                  ("Median per decode step, GPU time (CUDA events around the call) and host "
+                   "time (wall time of the call) of the target's forward (`execute`), of "
+                   "sampling (`sample`, which runs the drafter) and of the drafter "
+                   "(`propose`), from `speclab.steptiming`. A host time above its GPU time is "
+                   "a part the GPU waits for."), "",
+                  _md(anatomy.sort_values([*CONFIG, "B", "k"]), cols), ""]
     try:
         ex = extrapolate(costs, drafts, rates, layers)
         lines += [f"## {layers} layers at acceptance {list(rates)}", "",

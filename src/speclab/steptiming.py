@@ -1,31 +1,41 @@
-"""GPU time of the drafter per engine step, measured inside vLLM's engine core.
+"""Host and GPU time of each engine step's parts, measured inside vLLM's engine core.
 
 A vLLM general plugin (entry point group `vllm.general_plugins`, loaded in every vLLM process
 by `vllm.plugins.load_general_plugins`: the engine core and its workers, 0.26
 `v1/engine/core.py`, `v1/worker/worker_base.py`). With `$SPECLAB_STEP_TIMING` naming a folder
-it wraps `GPUModelRunner.propose_draft_token_ids` (0.26 `v1/worker/gpu_model_runner.py`: the
-one call that runs the drafter of any method after the target's verify forward) in two CUDA
-events. Events are recorded only while `<folder>/active` exists, so timed passes run the
-stock path but for one `stat`; when the flag is gone the pending events are synchronised and
-appended to `<folder>/<pid>.jsonl` as {"tokens": scheduled tokens, "reqs": requests, "ms"}.
-`write_plugin_dist` makes the entry point visible: a dist-info folder in a site directory.
+it wraps three `GPUModelRunner` methods (0.22 and 0.26 `v1/worker/gpu_model_runner.py`):
+`execute_model` (the target's forward: plain or verify), `sample_tokens` (sampling,
+rejection and, inside it, the drafter) and `propose_draft_token_ids` (the one call that runs
+the drafter of any method). Each call is timed twice: on the host (`host_ms`, wall time of
+the call) and on the GPU (`ms`, two CUDA events around it on the current stream). Events are
+recorded only while `<folder>/active` exists, so timed passes run the stock path but for one
+`stat`; when the flag is gone the pending events are synchronised and appended to
+`<folder>/<pid>.jsonl` as {"op": "execute" | "sample" | "propose", "tokens": scheduled
+tokens, "reqs": requests, "ms", "host_ms"} (`sample` takes the counts of the step's
+`execute`). `write_plugin_dist` makes the entry point visible: a dist-info folder in a site
+directory.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 ENV = "SPECLAB_STEP_TIMING"
 FLAG = "active"
 DIST = "speclab_steptiming-1.0.dist-info"
+METHODS = {"execute_model": "execute", "sample_tokens": "sample",
+           "propose_draft_token_ids": "propose"}
+"""The GPUModelRunner methods timed, and the `op` their records carry."""
 
 
 class _Recorder:
     def __init__(self, folder: Path):
         self.folder = folder
-        self.pending: list[tuple[int, int, object, object]] = []
+        self.pending: list[tuple] = []
+        self.step = (0, 0)  # (tokens, requests) of the last scheduler output seen
 
     def active(self) -> bool:
         return (self.folder / FLAG).exists()
@@ -34,32 +44,40 @@ class _Recorder:
         if not self.pending:
             return
         rows = []
-        for tokens, reqs, start, end in self.pending:
+        for op, tokens, reqs, host_ms, start, end in self.pending:
             end.synchronize()
-            rows.append({"tokens": tokens, "reqs": reqs, "ms": start.elapsed_time(end)})
+            rows.append({"op": op, "tokens": tokens, "reqs": reqs,
+                         "ms": start.elapsed_time(end), "host_ms": host_ms})
         self.pending.clear()
         with open(self.folder / f"{os.getpid()}.jsonl", "a") as fh:
             fh.writelines(json.dumps(r) + "\n" for r in rows)
 
 
-def wrap(propose, recorder: _Recorder):
-    """`propose` (an unbound GPUModelRunner method) timed with CUDA events while active."""
+def wrap(fn, recorder: _Recorder, op: str = "propose"):
+    """`fn` (an unbound GPUModelRunner method whose first argument is the scheduler output,
+    or the grammar output for `sample`) timed on the host and with CUDA events while
+    active."""
     import torch
 
-    def propose_draft_token_ids(self, scheduler_output, *args, **kwargs):
+    def timed(self, first, *args, **kwargs):
         if not recorder.active():
             recorder.flush()
-            return propose(self, scheduler_output, *args, **kwargs)
+            return fn(self, first, *args, **kwargs)
+        if op != "sample":
+            recorder.step = (int(first.total_num_scheduled_tokens),
+                             len(first.num_scheduled_tokens))
         start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+        t0 = time.perf_counter()
         start.record()
-        out = propose(self, scheduler_output, *args, **kwargs)
+        out = fn(self, first, *args, **kwargs)
         end.record()
-        recorder.pending.append((int(scheduler_output.total_num_scheduled_tokens),
-                                 len(scheduler_output.num_scheduled_tokens), start, end))
+        recorder.pending.append((op, *recorder.step, 1e3 * (time.perf_counter() - t0),
+                                 start, end))
         return out
 
-    propose_draft_token_ids._speclab_steptiming = True
-    return propose_draft_token_ids
+    timed.__name__ = fn.__name__
+    timed._speclab_steptiming = True
+    return timed
 
 
 def install() -> None:
@@ -69,11 +87,12 @@ def install() -> None:
         return
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    current = GPUModelRunner.propose_draft_token_ids
-    if getattr(current, "_speclab_steptiming", False):
-        return
     Path(folder).mkdir(parents=True, exist_ok=True)
-    GPUModelRunner.propose_draft_token_ids = wrap(current, _Recorder(Path(folder)))
+    recorder = _Recorder(Path(folder))
+    for name, op in METHODS.items():
+        current = getattr(GPUModelRunner, name, None)
+        if current is not None and not getattr(current, "_speclab_steptiming", False):
+            setattr(GPUModelRunner, name, wrap(current, recorder, op))
 
 
 def write_plugin_dist(site: Path) -> Path:
@@ -89,7 +108,8 @@ def write_plugin_dist(site: Path) -> Path:
 
 
 def read(folder: Path) -> list[dict]:
-    """Every recorded drafter call in `folder` (all engine processes)."""
+    """Every recorded call in `folder` (all engine processes); records written before
+    `execute`/`sample` were timed have no `op` and are the drafter's."""
     rows = []
     for path in sorted(Path(folder).glob("*.jsonl")):
         rows += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from speclab import gpubench as G
-from speclab import steptiming, store
+from speclab import steptiming, store, vllm_plugins
+from speclab.fixtures import repeat_loader
 
 FAKES = Path(__file__).parent / "fakes"
 
@@ -224,12 +225,27 @@ def test_steptiming_times_each_part_of_a_step_on_host_and_gpu(tmp_path, monkeypa
 
 
 def test_plugin_dist_is_found_by_entry_points(tmp_path):
-    steptiming.write_plugin_dist(tmp_path)
+    vllm_plugins.write_dist(tmp_path)
     code = ("from importlib.metadata import entry_points;"
-            "print([e.value for e in entry_points(group='vllm.general_plugins')])")
+            "print(sorted(e.value for e in entry_points(group='vllm.general_plugins')))")
     out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH":
                          str(tmp_path)}, capture_output=True, text=True, check=True).stdout
     assert "speclab.steptiming:install" in out
+    assert "speclab.fixtures.repeat_loader:register" in out
+
+
+def test_a_deep_target_loads_with_the_repeat_format(tmp_path):
+    """The deep plan's engines: plain with the verify sizes of k = 3, k = 3 with the drafter
+    eager; a target with a layer-sources file gets `speclab_repeat`, another does not."""
+    plain, spec = G.deep_plan()
+    assert (plain.layers, plain.k, plain.extra_batches) == (32, 0, (4, 64))
+    assert (spec.k, spec.draft_eager, spec.batches) == (3, True, (1, 16))
+    deep, shallow = tmp_path / "deep", tmp_path / "shallow"
+    for d in (deep, shallow):
+        d.mkdir()
+    (deep / repeat_loader.SOURCES).write_text(json.dumps({"sources": {"5": 3}}))
+    assert G.engine_args(spec, str(deep), "d", G.KV_BYTES, 0.5)["load_format"] == "speclab_repeat"
+    assert "load_format" not in G.engine_args(spec, str(shallow), "d", G.KV_BYTES, 0.5)
 
 
 def test_log_facts_keep_what_ran():

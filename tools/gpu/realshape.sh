@@ -36,7 +36,7 @@ start)
   if [ ! -e "$STATE/setup.done" ]; then
     python3 -m speclab overlay install --site "$SPECLAB_SITE" || exit 4
     python3 tools/gpu/gpu_env.py install --site "$SPECLAB_SITE" || exit 4
-    python3 -c "import sys; from speclab import steptiming; steptiming.write_plugin_dist(sys.argv[1])" "$SPECLAB_SITE" || exit 4
+    python3 -c "import sys; from speclab import vllm_plugins; vllm_plugins.write_dist(sys.argv[1])" "$SPECLAB_SITE" || exit 4
     for t in data/jit/*-vllm026-*.tar.gz .jit/*.tar.gz; do [ -e "$t" ] && tar xzf "$t" -C ~ && echo "JIT caches from $t"; done
     du -sh $(cd ~ && for d in $JIT_DIRS; do [ -d "$d" ] && echo "$HOME/$d"; done) 2>/dev/null
     free=$(df --output=avail -B1G /dev/shm | tail -1)

@@ -168,7 +168,9 @@ PLANS = {**{f"timing-{v}": (lambda v=v: timing_plan(v)) for v in DRAFT_VARIANTS}
          "timing-deep": deep_plan,
          "oracle-diag": oracle_diag_plan,
          "smoke": lambda: [Engine(4, 0, batches=(1,), extra_batches=(4,)),
-                           Engine(4, 3, batches=(1,))]}
+                           Engine(4, 3, batches=(1,))],
+         # the repeat-layers load path at the shallowest depth that takes it
+         "smoke-deep": lambda: [Engine(REPEAT_ABOVE + 1, 0, batches=(1,))]}
 
 
 # --------------------------------------------------------------------------- worker

@@ -1,5 +1,6 @@
 """The package's structure (docs/architecture.md): no import cycle among its modules, counting
-imports inside functions, and one module that starts or kills processes."""
+imports inside functions, one module that starts or kills processes and one that writes
+into run folders."""
 
 import ast
 from pathlib import Path
@@ -90,3 +91,51 @@ def test_imports_run_down_the_layer_table():
             if src in layer and dst in layer and layer[dst] > layer[src]:
                 against.append(f"{m} -> {n}")
     assert not against, against
+
+
+WRITERS = {
+    "speclab.store": "the run folder's one owner (and its atomic write, for every other file)",
+    "speclab.launch": "a child process's output log: the handle the child writes to",
+    "speclab.server": "`vllm serve`'s output log, handed to launch.child",
+    "speclab.gpubench": "the device-side driver's state folder and its workers' pipes",
+    "speclab.steptiming": "runs inside vLLM's engine process: its own timing folder",
+    "speclab.overlay": "the .pth it installs into a site directory",
+    "speclab.vllm_plugins": "the dist-info it writes into a site directory",
+    "speclab.vllm_matrix": "the docs it renders (README block, matrix files)",
+}
+"""Modules that write files other than through `store`, and what they write: none is a run
+folder. `speclab.fixtures.*` build checkpoints in the fixture cache."""
+
+
+def _file_writes(tree: ast.Module) -> list[str]:
+    out = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        f = node.func
+        what = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", "")
+        if what in {"write_text", "write_bytes"}:
+            out.append(what)
+        elif what in {"to_parquet", "to_csv", "to_json"} and (node.args or any(
+                k.arg in {"path", "path_or_buf"} for k in node.keywords)):
+            out.append(what)  # without a path these return the text
+        elif what == "savefig" and not (node.args and getattr(node.args[0], "id", "") == "buf"):
+            out.append(what)  # a figure saved into a file, not into a buffer
+        elif what in {"open", "fdopen"}:
+            modes = [a.value for a in node.args[1:2] + [k.value for k in node.keywords
+                                                      if k.arg == "mode"]
+                     if isinstance(a, ast.Constant) and isinstance(a.value, str)]
+            if any(set(m) & set("wax+") for m in modes):
+                out.append(f"{what}({modes[0]!r})")
+    return out
+
+
+def test_only_the_store_writes_into_run_folders():
+    """Every file write outside the listed modules goes through `store` (a run folder's
+    tables, reports and figures included); the check sees writes the listed modules make."""
+    writes = {name: w for name, tree in _modules().items() if (w := _file_writes(tree))}
+    assert "speclab.store" in writes and "speclab.launch" in writes  # the scan sees writes
+    others = {n: w for n, w in writes.items()
+              if n not in WRITERS and not n.startswith("speclab.fixtures")}
+    assert not others, others
+    assert set(WRITERS) <= set(writes), set(WRITERS) - set(writes)  # no stale entry

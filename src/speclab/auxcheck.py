@@ -220,5 +220,7 @@ def report_html(run_dir: Path) -> Path:
             "further one layer fewer, one more, and hyper-connection stream 0 are (margin / "
             "configured error).</p>" + "".join(parts))
     out = run_dir / "report.html"
-    out.write_text(page)
+    from speclab import store
+
+    store.atomic_write(out, page)
     return out

@@ -78,7 +78,7 @@ def run_on_node(profile_json: str, point_json: str, prompts: bytes, asked_cpus: 
     point = profiles.Point.model_validate_json(point_json)
     with tempfile.TemporaryDirectory(prefix="speclab-point-") as tmp:
         pfile = Path(tmp) / Path(prof.prompts.file).name
-        pfile.write_bytes(prompts)
+        store.atomic_write(pfile, prompts)
         prof = prof.model_copy(update={"prompts": prof.prompts.model_copy(
             update={"file": str(pfile)})})
         scratch = Path(tmp) / "run"

@@ -332,15 +332,19 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if a.cmd == "expect":
         res = expectations(a.prompts, a.max_tokens, a.k, a.fp8_sim)
-        a.out.parent.mkdir(parents=True, exist_ok=True)
-        a.out.write_text(json.dumps(res, indent=1) + "\n")
+        from speclab import store
+
+        store.atomic_write(a.out, json.dumps(res, indent=1) + "\n")
         print(json.dumps({arm: r["counters"]["accepted_per_pos"] for arm, r in
                           res["arms"].items()}))
         return 0
     expected = json.loads(a.expected.read_text())
     out = check_run(expected, a.arm, a.run_dir)
     out["same_weights"] = same_weights(expected, a.arm)
-    (a.run_dir / f"expected_check_{a.arm}.json").write_text(json.dumps(out, indent=1) + "\n")
+    from speclab import store
+
+    store.atomic_write(a.run_dir / f"expected_check_{a.arm}.json",
+                       json.dumps(out, indent=1) + "\n")
     print(json.dumps({key: out[key] for key in ("arm", "exact", "outputs_counting",
                                                 "per_prompt_match", "same_weights")}))
     return 0 if out["exact"] and out["outputs_counting"] else 1

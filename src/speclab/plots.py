@@ -6,6 +6,7 @@ that coincide are drawn with offsets and distinct markers so none hides another.
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 import matplotlib
@@ -14,7 +15,7 @@ import matplotlib.ticker
 import numpy as np
 import pandas as pd
 
-from speclab import metrics
+from speclab import metrics, store
 
 MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
 LINESTYLES = ("-", "--", "-.", ":")
@@ -33,8 +34,11 @@ def save(fig, out_dir: str | Path, name: str, caption: str | None = None) -> Non
     paths = [out_dir / f"{name}.{ext}" for ext in ("png", "svg")]
     with matplotlib.rc_context({"svg.hashsalt": name}):  # the same figure, the same bytes
         for p in paths:
-            fig.savefig(p, dpi=130 if p.suffix == ".png" else None, bbox_inches="tight",
-                        metadata={"Date": None} if p.suffix == ".svg" else None)
+            buf = io.BytesIO()
+            fig.savefig(buf, format=p.suffix[1:], dpi=130 if p.suffix == ".png" else None,
+                        bbox_inches="tight", metadata={"Date": None} if p.suffix == ".svg"
+                        else None)
+            store.atomic_write(p, buf.getvalue())
 
 
 def _footer(fig, text: str) -> None:

@@ -345,7 +345,7 @@ def report(run_dir: Path, rates=PUBLISHED_EAGLE31, layers: int = PRODUCTION_LAYE
 
     import mistune
 
-    from speclab import plots
+    from speclab import plots, store
 
     run_dir = Path(run_dir)
     out_dir = Path(out_dir or run_dir)
@@ -409,10 +409,11 @@ def report(run_dir: Path, rates=PUBLISHED_EAGLE31, layers: int = PRODUCTION_LAYE
                   _md(mem, ["engine", "estimate_gib", "vllm_gib", "error"]), ""]
     md = "\n".join(lines)
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "predict.md").write_text(md)
+    store.atomic_write(out_dir / "predict.md", md)
     plots.save(plots.speedup_vs_k(spec, val), out_dir / "figures", "speedup_vs_k",
                caption=f"{run_dir.name}: measured (95% CI) and predicted speedup")
-    (out_dir / "predict.html").write_text(
+    store.atomic_write(
+        out_dir / "predict.html",
         "<!doctype html><meta charset='utf-8'><title>" + html.escape(run_dir.name) +
         "</title><style>body{font-family:sans-serif;max-width:75em;margin:auto}table"
         "{border-collapse:collapse}td,th{border:1px solid #ccc;padding:2px 6px}</style>"

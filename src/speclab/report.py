@@ -86,7 +86,7 @@ def run_suite(profile: str, *, run_id: str | None = None, notebooks=SUITE,
     pts, _ = store.load_results(run_dir)  # Ray executor: points measured next to others
     prov["side_by_side"] = sorted(pts.point_id[pts.side_by_side.str.len() > 0]) \
         if "side_by_side" in pts else []
-    (run_dir / "provenance.json").write_text(json.dumps(prov, indent=1, default=str))
+    store.atomic_write(run_dir / "provenance.json", json.dumps(prov, indent=1, default=str))
     report = export_html(run_dir, done, prov, failure=failure)
     log.info(f"report: {report}")
     if failure:
@@ -147,7 +147,7 @@ def export_html(run_dir: Path, notebooks, prov: dict, failure: dict | None = Non
     body = body.replace("</body>", footer_html(prov, provenance.measured(run_dir)) + "</body>")
     body = body.replace("<title>Notebook</title>", f"<title>speclab · {run_dir.name}</title>")
     out = run_dir / "report.html"
-    out.write_text(body)
+    store.atomic_write(out, body)
     return out
 
 

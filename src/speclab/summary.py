@@ -19,7 +19,7 @@ import pandas as pd
 from speclab import analysis, methods, metrics, parity, revisions
 from speclab.profiles import Point
 from speclab.provenance import hardware
-from speclab.store import load_profile, load_results
+from speclab.store import atomic_write, load_profile, load_results, write_parquet
 
 N_BOOT = 1000
 AL_METHOD = (f"AL = 1 + accepted/drafts from per-request counters; 95% percentile bootstrap "
@@ -149,11 +149,11 @@ def write(run_dir: str | Path) -> pd.DataFrame:
     points' records in one file); returns the summary."""
     run_dir = Path(run_dir)
     t = table(run_dir)
-    t.to_parquet(run_dir / "summary.parquet", index=False)
-    t.to_csv(run_dir / "summary.csv", index=False)
+    write_parquet(run_dir / "summary.parquet", t)
+    atomic_write(run_dir / "summary.csv", t.to_csv(index=False))
     recs = load_results(run_dir)[1]
     if len(recs):
-        recs.to_parquet(run_dir / "requests.parquet", index=False)
+        write_parquet(run_dir / "requests.parquet", recs)
     return t
 
 

@@ -124,7 +124,7 @@ def main(spec_path: str) -> int:
             if timing:
                 _, passed = timed_pass(llm, prompt_ids, sp, point.concurrency)
                 passed["round"] = spec["round"]
-                Path(spec["output"]).write_text(json.dumps(passed))
+                store.atomic_write(Path(spec["output"]), json.dumps(passed))
                 return 0
             h2 = time.perf_counter()
             before = metrics.from_snapshot(llm.get_metrics())

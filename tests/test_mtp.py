@@ -299,3 +299,38 @@ def test_profile_sweeps_both_methods_on_the_mtp_target():
     mtp = next(p for p in profiles.expand(prof) if p.id == "k3_mtp_kv-fp8_tp1_raw")
     assert methods.speculative_config(prof, mtp, None, False) == {
         "method": "mtp", "num_speculative_tokens": 3}
+
+
+# --------------------------------------------------------------------------- run check
+def test_check_run_compares_counters_and_outputs_per_method(tmp_path):
+    from fake_requests import requests
+
+    from speclab import store
+
+    expected = {"prompt_ids": ["a", "b"], "greedy": [[5, 6, 7, 8], [20, 21, 22, 23]],
+                "counters": {"eagle3": {"3": {"num_drafts": 3, "accepted_per_pos": [2, 1, 0]}},
+                             "mtp": {"3": {"num_drafts": 2, "accepted_per_pos": [2, 2, 1]}}}}
+
+    def write(pid, k, method, counters, outputs=expected["greedy"]):
+        records = requests([{"point_id": pid, "k": k, "prompt_id": p, "drafts": 1,
+                             "accepted_per_pos": [0] * k, "output_token_ids": o}
+                            for p, o in zip(expected["prompt_ids"], outputs)])
+        store.write_point(tmp_path, store.PointResult(
+            point_id=pid, status="ok", point={"k": k}, env={}, counters=counters,
+            method=method and {"name": method}), records)
+
+    write("k0_x", 0, None, {})
+    write("k3_x", 3, "eagle3", {"num_drafts": 3, "accepted_per_pos": [2, 1, 0]})
+    assert not mtprig.check_run(expected, tmp_path)["complete"]  # no mtp point yet
+    write("k3_mtp_x", 3, "mtp", {"num_drafts": 2, "accepted_per_pos": [2, 2, 1]})
+    ok = mtprig.check_run(expected, tmp_path)
+    assert ok["exact"] and ok["complete"] and len(ok["points"]) == 3
+    # the MTP point read with EAGLE-3's counters, or an output that is not the greedy one
+    write("k3_mtp_x", 3, "mtp", {"num_drafts": 3, "accepted_per_pos": [2, 1, 0]})
+    bad = mtprig.check_run(expected, tmp_path)
+    assert not bad["exact"]
+    assert next(p for p in bad["points"] if p["method"] == "mtp")["match"] == {
+        "num_drafts": False, "accepted_per_pos": False}
+    write("k3_mtp_x", 3, "mtp", {"num_drafts": 2, "accepted_per_pos": [2, 2, 1]},
+          outputs=[[5, 6, 7, 9], [20, 21, 22, 23]])
+    assert not mtprig.check_run(expected, tmp_path)["exact"]

@@ -266,6 +266,7 @@ def test_committed_expectation_is_current(built):
     assert exp["fixtures"]["target"]["safetensors_sha256"] == sha == meta["safetensors_sha256"]
     assert exp["mtp_reference"] == {"min_margin": exp["mtp_reference"]["min_margin"],
                                     "order_independent": True, "equals_planned": True}
+    assert exp["mtp_fp8_readout"]["accuracy"] == 1.0 and exp["mtp_fp8_readout"]["min_margin"] > 20
     prof = profiles.load(exp["profile"])
     from speclab import prompts
 

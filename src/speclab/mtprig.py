@@ -54,6 +54,30 @@ def expected_counters(succ: list[int], draft_succ: list[int], prompts: list[list
     return out
 
 
+def fp8_readout(model_dir: Path, planned: list[int]) -> dict:
+    """The MTP's layer-free readout as the GPU rounds it: bf16 embedding rows, e_proj's input
+    quantized to e4m3 per 128-wide group (vLLM's dynamic block-FP8 activations), bf16 output
+    and logits input: share of ids whose draft is the planned one, smallest top-1/top-2
+    margin."""
+    import torch
+
+    from speclab.fixtures import dsv4_mtp as M
+    from speclab.fixtures import dsv4_reference as R
+
+    cfg, t = R.load_checkpoint(Path(model_dir))
+    eps = cfg["rms_norm_eps"]
+    u = M.enorm_rows(t["embed.weight"].float(), eps).float().bfloat16().float()
+    V, H = u.shape
+    g = u.reshape(V, H // 128, 128)
+    sc = g.abs().amax(-1, keepdim=True) / 448
+    u = ((g / sc).to(torch.float8_e4m3fn).float() * sc).reshape(V, H)
+    y = (u @ M._dequant(t, M.MTP_PREFIX + "e_proj").T).bfloat16().float()
+    y = y / y.pow(2).mean(-1, keepdim=True).add(eps).sqrt()
+    top = (y.bfloat16().float() @ t["head.weight"].float().T).topk(2, dim=-1)
+    return {"accuracy": (top.indices[:, 0] == torch.tensor(planned)).double().mean().item(),
+            "min_margin": round((top.values[:, 0] - top.values[:, 1]).min().item(), 3)}
+
+
 def expect(profile_name: str = PROFILE) -> dict:
     """The expectation file's content for `profile_name` (fixtures built if needed)."""
     from speclab import methods, profiles, prompts
@@ -96,6 +120,7 @@ def expect(profile_name: str = PROFILE) -> dict:
         "mtp_reference": {"min_margin": ref["min_margin"],
                           "order_independent": ref["order_independent"],
                           "equals_planned": ref["successors"] == planned},
+        "mtp_fp8_readout": fp8_readout(tdir, planned),
         "greedy": [realshape.greedy(succ, p, prof.max_tokens) for p in ids],
         "counters": counters,
         "command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),

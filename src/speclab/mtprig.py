@@ -173,14 +173,16 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("run_dir", type=Path)
     c.add_argument("--expected", type=Path, default=Path(EXPECTED_FILE))
     a = ap.parse_args(argv)
+    from speclab import store
+
     if a.cmd == "expect":
         out = expect(a.profile)
-        a.out.write_text(json.dumps(out, indent=1) + "\n")
+        store.atomic_write(a.out, json.dumps(out, indent=1) + "\n")
         print(json.dumps({m: {k: v["per_pos_rate"] for k, v in c.items()}
                           for m, c in out["counters"].items()}))
         return 0
     out = check_run(json.loads(a.expected.read_text()), a.run_dir)
-    (a.run_dir / "mtp_check.json").write_text(json.dumps(out, indent=1) + "\n")
+    store.atomic_write(a.run_dir / "mtp_check.json", json.dumps(out, indent=1) + "\n")
     print(json.dumps({"exact": out["exact"], "complete": out["complete"],
                       "points": {p["point"]: p["exact"] for p in out["points"]}}))
     return 0 if out["exact"] else 1

@@ -11,6 +11,7 @@ without importing it."""
 
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
 from itertools import pairwise
 
 import pytest
@@ -35,16 +36,24 @@ DRAFT = "model.layers.4.self_attn.attn"
 MODEL_SCOPES = ("all", "nvidia", "amd", "xpu", "cpu")
 
 
+def _probe(release: str) -> dict:
+    return run_probe(None if release == "installed" else vllm_py_tree(release))
+
+
+@pytest.fixture(scope="module")
+def probes() -> dict[str, Future]:
+    """Every probe, two at a time: each is one import-bound process on one core."""
+    with ThreadPoolExecutor(2) as pool:
+        return {r: pool.submit(_probe, r) for r in [*RELEASES, "installed"]}
+
+
 @pytest.fixture(scope="module", params=[*RELEASES, "installed"])
-def probe(request) -> dict:
-    if request.param == "installed":
-        result = run_probe(None)
-    else:
-        try:
-            tree = vllm_py_tree(request.param)
-        except Unavailable as e:
-            pytest.skip(str(e))
-        result = run_probe(tree)
+def probe(request, probes) -> dict:
+    try:
+        result = probes[request.param].result()
+    except Unavailable as e:
+        pytest.skip(str(e))
+    if request.param != "installed":
         assert result["vllm_version"] == request.param
     return result | {"release": MATRIX[result["vllm_version"]]}
 

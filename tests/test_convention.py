@@ -241,7 +241,8 @@ def test_cpu_engine_records_the_convention_it_cannot_apply(tmp_path, fixture_cac
                                    "aux_layer_convention": ["output", "input"]},
         "engine": {"dtype": "float32", "enforce_eager": True, "max_model_len": 256,
                    "kv_cache_memory_bytes": 64 << 20},
-        "env": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}, "timeout_s": 300}))
+        "env": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}, "timeout_s": 300,
+        "timed_passes": 1}))  # counters, not speed: no timing rounds (tests/test_sweep.py)
     os.environ["SPECLAB_CACHE"] = str(fixture_cache.parent)
     prof = profiles.load(p)
     run = tmp_path / "run"

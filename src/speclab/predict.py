@@ -138,6 +138,12 @@ def _step_calls(r, op: str) -> list[dict]:
             and c["tokens"] == r.B * (r.k + 1)]
 
 
+def _median(calls: list[dict], key: str) -> float:
+    """Median of `key` over the calls that recorded it (NaN where none did)."""
+    vals = [c[key] for c in calls if key in c]
+    return float(np.median(vals)) if vals else np.nan
+
+
 def _splits(results: pd.DataFrame) -> pd.DataFrame:
     return results[results.op == "split"] if "op" in results else results.iloc[:0]
 
@@ -149,12 +155,10 @@ def draft_ms(results: pd.DataFrame) -> pd.DataFrame:
     for _, r in _splits(results).iterrows():
         calls = _step_calls(r, "propose")
         if r.k and calls:
-            host = [c["host_ms"] for c in calls if "host_ms" in c]
             rows.append({"layers": r.layers, "eager": r.eager,
                          "draft": draft_setting(r.engine, r.k), "k": r.k, "B": r.B,
-                         "draft_ms": float(np.median([c["ms"] for c in calls])),
-                         "draft_host_ms": float(np.median(host)) if host else np.nan,
-                         "draft_calls": len(calls)})
+                         "draft_ms": _median(calls, "ms"),
+                         "draft_host_ms": _median(calls, "host_ms"), "draft_calls": len(calls)})
     return pd.DataFrame(rows, columns=[*CONFIG, "k", "B", "draft_ms", "draft_host_ms",
                                        "draft_calls"])
 
@@ -170,9 +174,8 @@ def step_anatomy(results: pd.DataFrame) -> pd.DataFrame:
                "k": r.k, "B": r.B}
         for op in ("execute", "sample", "propose"):
             calls = _step_calls(r, op)
-            row[f"{op}_ms"] = float(np.median([c["ms"] for c in calls])) if calls else np.nan
-            host = [c["host_ms"] for c in calls if "host_ms" in c]
-            row[f"{op}_host_ms"] = float(np.median(host)) if host else np.nan
+            row[f"{op}_ms"], row[f"{op}_host_ms"] = (_median(calls, "ms"),
+                                                     _median(calls, "host_ms"))
         if not np.isnan(row["execute_ms"]):
             rows.append(row)
     return pd.DataFrame(rows)

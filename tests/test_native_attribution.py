@@ -2,31 +2,14 @@
 stepped engine offline and the streamed chunks behind `vllm serve`: the same verify steps,
 request by request, and a sum that equals the engine's counters exactly."""
 
-import os
-
 import pytest
-import yaml
+from conftest import SERVED_K3, SERVED_LEVELS
 
-from speclab import launch, metrics, server, store
-from speclab.profiles import REPO, Point, load
+from speclab import metrics, server, store
+from speclab.profiles import Point
 
 pytestmark = pytest.mark.vllm
 K = 3
-
-
-@pytest.fixture()
-def profile(tmp_path, fixture_cache):
-    os.environ["SPECLAB_CACHE"] = str(fixture_cache.parent)
-    p = tmp_path / "native.yaml"
-    p.write_text(yaml.safe_dump({
-        "name": "native-test", "backend": "cpu", "target": "fixture:tiny-llama",
-        "draft": "fixture:tiny-llama-eagle3",
-        "prompts": {"file": str(REPO / "data/prompts/tiny-code.jsonl"), "limit": 8},
-        "max_tokens": 32, "grid": {"num_speculative_tokens": [K]},
-        "engine": {"dtype": "float32", "enforce_eager": True, "max_model_len": 512,
-                   "kv_cache_memory_bytes": 128 << 20},
-        "env": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}, "timeout_s": 400}))
-    return load(p)
 
 
 def check_native(meta: dict, recs, path: str) -> None:
@@ -51,16 +34,22 @@ def check_native(meta: dict, recs, path: str) -> None:
         assert list(last.accepted_per_pos) == [1] * j + [0] * (K - j), r.prompt_id
 
 
-def test_offline_native_counters_equal_the_stepped_engines(profile, tmp_path):
-    run = tmp_path / "run"
-    meta = launch.run_point(profile, Point(k=K, draft_kv_cache_dtype="auto"), run)
+def test_offline_native_counters_equal_the_stepped_engines(smoke_suite):
+    """The eagle3 k = 3 point of the session's notebook suite (conftest.smoke_suite), the
+    tiny pair offline on 8 prompts x 32 tokens."""
+    root, _ = smoke_suite
+    run = root / "runs" / "smoke"
+    point = Point(k=K, draft_kv_cache_dtype="auto")
+    meta = store.read_meta(run, point.id)
+    assert meta["point"]["method"] == "eagle3" and meta["n_requests"] == 8
     assert meta["status"] == "ok", meta.get("error")
     check_native(meta, store.requests(run, meta["point_id"]), "stepped")
 
 
-def test_served_native_counters_equal_the_chunks_at_concurrency_1_and_4(profile, tmp_path):
-    run = tmp_path / "run"
-    metas = server.run_point(profile, Point(k=K, draft_kv_cache_dtype="auto"), run, [1, 4])
-    for m in metas:
+def test_served_native_counters_equal_the_chunks_at_concurrency_1_and_4(served_k3):
+    """The shared served k = 3 run (conftest.served_k3)."""
+    assert SERVED_K3.k == K and SERVED_LEVELS == [1, 4]
+    for c in SERVED_LEVELS:
+        m = store.read_meta(served_k3, server.level_id(SERVED_K3, c))
         assert m["status"] == "ok", m.get("error")
-        check_native(m, store.requests(run, m["point_id"]), "chunks")
+        check_native(m, store.requests(served_k3, m["point_id"]), "chunks")

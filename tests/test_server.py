@@ -3,31 +3,20 @@ agrees with the server's own log lines, and no server process outlives success, 
 interruption."""
 
 import asyncio
-import os
 import subprocess
 
 import pytest
-import yaml
+from conftest import SERVED_K3, SERVED_LEVELS
 
-from speclab import metrics, notebook, report, server
-from speclab.profiles import REPO, Point, load
+from speclab import metrics, notebook, report, server, store
+from speclab.profiles import Point, load
 
 pytestmark = pytest.mark.vllm
 
 
 @pytest.fixture()
-def profile(tmp_path, fixture_cache):
-    os.environ["SPECLAB_CACHE"] = str(fixture_cache.parent)
-    p = tmp_path / "serve.yaml"
-    p.write_text(yaml.safe_dump({
-        "name": "serve-test", "backend": "cpu", "target": "fixture:tiny-llama",
-        "draft": "fixture:tiny-llama-eagle3",
-        "prompts": {"file": str(REPO / "data/prompts/tiny-code.jsonl"), "limit": 6},
-        "max_tokens": 24, "grid": {"num_speculative_tokens": [0, 3]},
-        "engine": {"dtype": "float32", "enforce_eager": True, "max_model_len": 512,
-                   "kv_cache_memory_bytes": 128 << 20},
-        "timeout_s": 400}))
-    return load(p)
+def profile(served_profile):
+    return load(served_profile)
 
 
 def servers() -> list[str]:
@@ -35,12 +24,12 @@ def servers() -> list[str]:
     return out.stdout.split()
 
 
-def test_server_sweep_matches_its_own_logs(profile, tmp_path):
-    point = Point(k=3, draft_kv_cache_dtype="auto")
-    metas = server.run_point(profile, point, tmp_path / "run", [1, 3])
-    assert [m["concurrency"] for m in metas] == [1, 3]
+def test_server_sweep_matches_its_own_logs(served_k3):
+    """The shared served k = 3 run (conftest.served_k3)."""
+    metas = [store.read_meta(served_k3, server.level_id(SERVED_K3, c)) for c in SERVED_LEVELS]
+    assert [m["concurrency"] for m in metas] == SERVED_LEVELS
     assert servers() == []
-    log = (tmp_path / "run" / "logs" / f"{point.id}_serve.log").read_text()
+    log = (served_k3 / "logs" / f"{SERVED_K3.id}_serve.log").read_text()
     lines = metrics.parse_log(log)
     assert lines, "the server logged no SpecDecoding metrics"
     # log lines cover the server's life (warm-up included), like its cumulative counters
@@ -79,24 +68,30 @@ def test_interrupted_load_leaves_no_server(profile, tmp_path, monkeypatch):
     assert servers() == []
 
 
-def test_sweep_notebook_in_server_mode(profile, tmp_path):
+def test_sweep_notebook_in_server_mode(served_profile, served_k3, tmp_path):
     """01_sweep with mode=server: the profile's grid behind `vllm serve` at two concurrency
-    levels, the same acceptance figures plus load curves, no server left."""
-    runs, figs = tmp_path / "runs", tmp_path / "figures"
-    report.run_suite(str(tmp_path / "serve.yaml"), run_id="serve", notebooks=("01_sweep",),
-                     parameters={"mode": "server", "concurrency": [1, 2]},
-                     runs_root=runs, figures_root=figs)
+    levels, the same acceptance figures plus load curves, no server left. It resumes the
+    shared served k = 3 run: those levels are kept (no server started for them)."""
+    k3_log = served_k3 / "logs" / f"{SERVED_K3.id}_serve.log"
+    kept = {p.name: p.stat().st_mtime_ns for p in [k3_log, *served_k3.glob("[pr]*s/k3*")]}
+    figs = tmp_path / "figures"
+    report.run_suite(str(served_profile), run_id=served_k3.name, notebooks=("01_sweep",),
+                     parameters={"mode": "server", "concurrency": SERVED_LEVELS},
+                     runs_root=served_k3.parent, figures_root=figs)
     assert servers() == []
-    r = notebook.read_records(runs / "serve" / "notebooks" / "01_sweep.ipynb")
+    assert {p.name: p.stat().st_mtime_ns for p in [k3_log, *served_k3.glob("[pr]*s/k3*")]} \
+        == kept
+    r = notebook.read_records(served_k3 / "notebooks" / "01_sweep.ipynb")
     curve = r["load_curve"]
-    assert sorted((c["k"], c["concurrency"]) for c in curve) == [(0, 1), (0, 2), (3, 1), (3, 2)]
+    assert sorted((c["k"], c["concurrency"]) for c in curve) == [
+        (k, c) for k in (0, 3) for c in SERVED_LEVELS]
     for c in curve:
         assert c["throughput_tok_s"] > 0 and 0 < c["ttft_p50_s"] and 0 < c["tpot_p50_s"]
     assert all(1 <= c["mean_acceptance_length"] <= 4 for c in curve if c["k"] == 3)
     assert {a["k"] for a in r["acceptance"].values()} == {3} and len(r["acceptance"]) == 2
-    assert all(pid.endswith(("_serve-c1", "_serve-c2")) for pid in r["throughput"])
+    assert all(pid.endswith(("_serve-c1", "_serve-c4")) for pid in r["throughput"])
     assert {"load_vs_concurrency.png", "al_speed_vs_k_server.png"} <= {
-        p.name for p in (figs / "serve").iterdir()}
+        p.name for p in (figs / served_k3.name).iterdir()}
 
 
 def test_run_async_works_inside_a_running_event_loop():

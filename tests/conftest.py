@@ -14,7 +14,10 @@ def fixture_cache(tmp_path_factory) -> Path:
     folder of a temporary cache root (tests point SPECLAB_CACHE at fixture_cache.parent, so
     that their engines find the same builds)."""
     root = os.environ.get("SPECLAB_CACHE")
-    return Path(root or tmp_path_factory.mktemp("speclab-cache")) / "fixtures"
+    if root:
+        return Path(root) / "fixtures"
+    (cache := tmp_path_factory.mktemp("speclab-cache") / "fixtures").mkdir()
+    return cache
 
 
 # ------------------------------------------------------------------ one served k = 3 engine

@@ -240,6 +240,9 @@ def test_a_deep_target_loads_with_the_repeat_format(tmp_path):
     plain, spec = G.deep_plan()
     assert (plain.layers, plain.k, plain.extra_batches) == (32, 0, (4, 64))
     assert (spec.k, spec.draft_eager, spec.batches) == (3, True, (1, 16))
+    fit = G.PLANS["timing-deep-fit"]()
+    assert [(e.layers, e.k) for e in fit] == [(24, 0), (32, 0), (32, 3)]
+    assert fit[0].extra_batches == plain.extra_batches and len({e.name for e in fit}) == 3
     deep, shallow = tmp_path / "deep", tmp_path / "shallow"
     for d in (deep, shallow):
         d.mkdir()

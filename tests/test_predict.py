@@ -84,6 +84,34 @@ def test_validate_recovers_measurement_and_controls_fail():
     assert wrong / meas16 - 1 > 0.05
 
 
+def with_host_drafter(res, host_ms, waited):
+    """`res` with the drafter's host time `host_ms` recorded in the split passes and the
+    fraction `waited` of its excess over GPU time added to each speculative step."""
+    res = res.copy()
+    split = res.op == "split"
+    res.loc[split, "calls"] = res.loc[split, "calls"].map(
+        lambda cs: [{**c, "host_ms": host_ms} for c in cs])
+    spec = (res.op == "pass") & (res.k > 0)
+    for i in res.index[spec]:
+        k, B = res.at[i, "k"], res.at[i, "B"]
+        step = t_plain(B * (k + 1)) + t_draft(k, B)
+        extra = waited * (host_ms - t_draft(k, B))
+        res.at[i, "t_full_s"] = 0.01 + (res.at[i, "t_full_s"] - 0.01) * (step + extra) / step
+    return res
+
+
+def test_validate_brackets_a_drafter_whose_host_time_is_partly_waited_for():
+    """The GPU-only prediction is the upper bound, the drafter's host time serial to the
+    verify step the lower; a step that waits for half the host time lies between them, one
+    that waits for more than all of it (the control) does not."""
+    v = predict.validate(with_host_drafter(rows(), host_ms=4.0, waited=0.5))
+    assert v.bracketed.all() and (v.error > 0.05).any()
+    assert (v.pred_serial_speedup < v.speedup).all() and (v.draft_host_ms == 4.0).all()
+    over = predict.validate(with_host_drafter(rows(), host_ms=4.0, waited=1.5))
+    assert not over.bracketed.any()
+    assert predict.validate(rows()).bracketed.isna().all()  # no host time recorded: no bound
+
+
 def test_best_k_and_profile_continuation():
     assert predict.acceptance_profile([0.6, 0.3], 4) == pytest.approx([0.6, 0.3, 0.15, 0.075])
     assert predict.acceptance_length(predict.PUBLISHED_EAGLE31, 3) == pytest.approx(2.344)
@@ -140,6 +168,8 @@ def test_step_anatomy_and_drafter_host_time_from_timed_calls():
     assert a.loc[0, "execute_host_ms"] == 3.0 and np.isnan(a.loc[0, "propose_ms"])
     d = predict.draft_ms(split).iloc[0]
     assert (d.draft_ms, d.draft_host_ms, d.draft_calls) == (2.5, 6.0, 9)
+    resumed = pd.concat([split, split.iloc[1:]], ignore_index=True)  # carried state, twice
+    assert len(predict.step_anatomy(resumed)) == 2
     old = split.iloc[:1].assign(calls=[[{"tokens": 16, "reqs": 4, "ms": 1.5}] * 3])
     assert predict.draft_ms(old).draft_ms.tolist() == [1.5] and predict.step_anatomy(old).empty
 

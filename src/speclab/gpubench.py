@@ -33,7 +33,7 @@ import re
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 PROMPT_LEN = 256
@@ -164,8 +164,16 @@ def deep_plan(layers: int = 32) -> list[Engine]:
             Engine(layers, 3, batches=(1, 16), draft_eager=True)]
 
 
+def deep_fit_plan(shallow: int = 24, deep: int = 32) -> list[Engine]:
+    """The layer-count fit at depths where a plain step is GPU time (2026-12-04: 32 layers
+    is, 4-8 are host-bound): plain at `shallow` layers, then `deep_plan(deep)` on the same
+    machine, so plain and k = 3 at `deep` share a GPU."""
+    plain, spec = deep_plan(deep)
+    return [replace(plain, layers=shallow), plain, spec]
+
+
 PLANS = {**{f"timing-{v}": (lambda v=v: timing_plan(v)) for v in DRAFT_VARIANTS},
-         "timing-deep": deep_plan,
+         "timing-deep": deep_plan, "timing-deep-fit": deep_fit_plan,
          "oracle-diag": oracle_diag_plan,
          "smoke": lambda: [Engine(4, 0, batches=(1,), extra_batches=(4,)),
                            Engine(4, 3, batches=(1,))],

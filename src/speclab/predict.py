@@ -145,7 +145,11 @@ def _median(calls: list[dict], key: str) -> float:
 
 
 def _splits(results: pd.DataFrame) -> pd.DataFrame:
-    return results[results.op == "split"] if "op" in results else results.iloc[:0]
+    """Split passes, each kept once (the last record of an engine, round and batch size: a
+    driver resumed on another machine carries the earlier records in its own results)."""
+    if "op" not in results:
+        return results.iloc[:0]
+    return results[results.op == "split"].drop_duplicates(["engine", "round", "B"], keep="last")
 
 
 def draft_ms(results: pd.DataFrame) -> pd.DataFrame:
@@ -228,7 +232,10 @@ def predict(costs: pd.DataFrame, drafts: pd.DataFrame, rates, ks=range(1, 6),
 def validate(results: pd.DataFrame, max_tokens: int = 128) -> pd.DataFrame:
     """Every measured speculative point beside its prediction from the plain curve, the
     drafter time and the point's own measured AL (so the check is of the step-cost model):
-    columns step_ms / pred_step_ms, speedup (CI) / pred_speedup, error = pred / measured - 1."""
+    columns step_ms / pred_step_ms, speedup (CI) / pred_speedup, error = pred / measured - 1.
+    Where the drafter's host time was recorded, also the bound with that host time serial to
+    the verify step (`pred_serial_speedup`: an eager drafter's launches the GPU waits for)
+    and `bracketed`: the measured speedup lies between the two predictions."""
     costs = step_costs(results, max_tokens)
     drafts = draft_ms(results)
     timed = passes(results, max_tokens)
@@ -239,9 +246,16 @@ def validate(results: pd.DataFrame, max_tokens: int = 128) -> pd.DataFrame:
         if p.empty:
             continue
         q = p.iloc[0]
+        host = drafts[(drafts.layers == r.layers) & (drafts.eager == r.eager)
+                      & (drafts.draft == r.draft) & (drafts.k == r.k) & (drafts.B == r.B)]
+        host_ms = host.draft_host_ms.iloc[0] if len(host) else np.nan
+        serial = q.pred_speedup * q.pred_step_ms / (q.verify_ms + max(host_ms, q.draft_ms))
         rows.append({**r.to_dict(), "pred_step_ms": q.pred_step_ms, "draft_ms": q.draft_ms,
                      "verify_ms": q.verify_ms, "pred_speedup": q.pred_speedup,
-                     "error": q.pred_speedup / r.speedup - 1})
+                     "error": q.pred_speedup / r.speedup - 1, "draft_host_ms": host_ms,
+                     "pred_serial_speedup": serial,
+                     "bracketed": bool(serial <= r.speedup <= q.pred_speedup)
+                     if host_ms == host_ms else None})
     return pd.DataFrame(rows)
 
 
@@ -362,7 +376,7 @@ def report(run_dir: Path, rates=PUBLISHED_EAGLE31, layers: int = PRODUCTION_LAYE
     lines = [f"# Speed at DeepSeek-V4-Flash's real shapes: {run_dir.name}", "",
              ("Decode throughput (tokens after the first, per second) and speedup over plain "
              "decoding at the same batch size, mean and 95% interval over timed rounds "
-             "(speedup: geometric mean of per-round ratios, rounds interleaved over k)."), "",
+             "(speedup: geometric mean of per-round ratios, round r paired with plain's round r)."), "",
              (f"Timed rounds per point: {spec.rounds.min()} to {spec.rounds.max()}. "
               + ("**A point with one round has no interval and is not a result.**"
                  if spec.rounds.min() < 2 else "")) if len(spec) else "", "",
@@ -380,6 +394,13 @@ def report(run_dir: Path, rates=PUBLISHED_EAGLE31, layers: int = PRODUCTION_LAYE
                   f"and the point's measured acceptance; largest |error| {worst:.1%}."), "",
                   _md(val, [*CONFIG, "B", "k", "step_ms", "pred_step_ms", "verify_ms",
                             "draft_ms", "speedup", "pred_speedup", "error"]), ""]
+        if val.draft_host_ms.notna().any():
+            lines += [("With the drafter's host time serial to the verify step (the bound for "
+                       "a drafter whose launches the GPU waits for): `bracketed` says whether "
+                       "the measured speedup lies between the two predictions."), "",
+                      _md(val[val.draft_host_ms.notna()],
+                          [*CONFIG, "B", "k", "draft_ms", "draft_host_ms", "speedup",
+                           "pred_serial_speedup", "pred_speedup", "bracketed"]), ""]
     anatomy = step_anatomy(res)
     if len(anatomy):
         cols = [*CONFIG, "k", "B", *(f"{op}_{t}" for op in ("execute", "sample", "propose")

@@ -286,9 +286,12 @@ def test_analysis_never_takes_an_unreadable_parquet_as_ok(prof_path, tmp_path, f
 def test_second_sweep_refused_then_ctrl_c_stops_cleanly(prof_path, tmp_path, fake):
     run_dir = tmp_path / "run"
     env = {**os.environ, "TRUST_SLEEP": "60", "TRUST_CHILD": "1"}
+    # Ctrl-C as at a terminal, also when this suite was started in the background (where
+    # the shell has the children ignore SIGINT)
     first = subprocess.Popen([sys.executable, "-c", CLI, "sweep", "--profile", str(prof_path),
                               "--run-id", str(run_dir)], env=env, stderr=subprocess.PIPE,
-                             text=True)
+                             text=True,
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         assert wait_for(lambda: starts(fake), 120), "first sweep's worker never started"
         t0 = time.time()

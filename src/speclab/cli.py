@@ -423,9 +423,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         # the worker in flight was stopped on the way out; nothing partial was recorded
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # no second one mid-message
         hint = getattr(a, "resume", None)
         print(f"speclab: interrupted{'; ' + hint if hint else ''}", file=sys.stderr)
+        signal.signal(signal.SIGINT, previous)  # a caller in this process keeps its Ctrl-C
         return 130
 
 

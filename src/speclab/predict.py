@@ -82,8 +82,7 @@ def passes(results: pd.DataFrame, max_tokens: int = 128) -> pd.DataFrame:
     during which a kernel was JIT-compiled, one whose decode time is not positive, and one
     whose prefill or full time is over `STALL` times its engine's median at that batch size
     (a compile the log did not name)."""
-    df = results[(results.op == "pass") & (results["round"] >= 1)].copy()
-    df = df.drop_duplicates(["engine", "round", "B"], keep="last")
+    df = _once(results[(results.op == "pass") & (results["round"] >= 1)]).copy()
     if "jit_compiled" in df:  # a kernel compiled while the pass ran: not a clean timing
         df = df[df.jit_compiled.map(lambda j: not (isinstance(j, list) and j))]
     df["decode_s"] = df.t_full_s - df.t_prefill_s
@@ -144,12 +143,14 @@ def _median(calls: list[dict], key: str) -> float:
     return float(np.median(vals)) if vals else np.nan
 
 
+def _once(records: pd.DataFrame) -> pd.DataFrame:
+    """Each pass once: the last record of an engine, round and batch size (a driver resumed
+    on another machine carries the earlier records in its own results)."""
+    return records.drop_duplicates(["engine", "round", "B"], keep="last")
+
+
 def _splits(results: pd.DataFrame) -> pd.DataFrame:
-    """Split passes, each kept once (the last record of an engine, round and batch size: a
-    driver resumed on another machine carries the earlier records in its own results)."""
-    if "op" not in results:
-        return results.iloc[:0]
-    return results[results.op == "split"].drop_duplicates(["engine", "round", "B"], keep="last")
+    return _once(results[results.op == "split"]) if "op" in results else results.iloc[:0]
 
 
 def draft_ms(results: pd.DataFrame) -> pd.DataFrame:
@@ -213,13 +214,15 @@ def predict(costs: pd.DataFrame, drafts: pd.DataFrame, rates, ks=range(1, 6),
             for B in batches or sorted(costs[(costs.layers == layers) & (costs.k > 0)].B.unique()):
                 t0 = interpolate(curve, B)
                 for k in ks:
-                    dk = dd[(dd.k == k) & (dd.B == B)].draft_ms
+                    hit = dd[(dd.k == k) & (dd.B == B)]
                     verify = interpolate(curve, B * (k + 1))
-                    step = verify + (float(dk.iloc[0]) if len(dk) else np.nan)
+                    step = verify + (float(hit.draft_ms.iloc[0]) if len(hit) else np.nan)
                     al = acceptance_length(rates, k)
                     rows.append({"layers": layers, "eager": eager, "draft": draft, "k": k,
                                  "B": B, "al": al, "verify_ms": verify,
                                  "draft_ms": step - verify, "pred_step_ms": step,
+                                 "draft_host_ms": (float(hit.draft_host_ms.iloc[0])
+                                                   if len(hit) else np.nan),
                                  "pred_tok_s": 1e3 * B * al / step,
                                  "pred_speedup": al * t0 / step})
     out = pd.DataFrame(rows)
@@ -246,16 +249,14 @@ def validate(results: pd.DataFrame, max_tokens: int = 128) -> pd.DataFrame:
         if p.empty:
             continue
         q = p.iloc[0]
-        host = drafts[(drafts.layers == r.layers) & (drafts.eager == r.eager)
-                      & (drafts.draft == r.draft) & (drafts.k == r.k) & (drafts.B == r.B)]
-        host_ms = host.draft_host_ms.iloc[0] if len(host) else np.nan
-        serial = q.pred_speedup * q.pred_step_ms / (q.verify_ms + max(host_ms, q.draft_ms))
+        serial = q.pred_speedup * q.pred_step_ms / (q.verify_ms + max(q.draft_host_ms,
+                                                                      q.draft_ms))
         rows.append({**r.to_dict(), "pred_step_ms": q.pred_step_ms, "draft_ms": q.draft_ms,
                      "verify_ms": q.verify_ms, "pred_speedup": q.pred_speedup,
-                     "error": q.pred_speedup / r.speedup - 1, "draft_host_ms": host_ms,
+                     "error": q.pred_speedup / r.speedup - 1, "draft_host_ms": q.draft_host_ms,
                      "pred_serial_speedup": serial,
                      "bracketed": bool(serial <= r.speedup <= q.pred_speedup)
-                     if host_ms == host_ms else None})
+                     if pd.notna(q.draft_host_ms) else None})
     return pd.DataFrame(rows)
 
 

@@ -75,3 +75,15 @@ def test_fixtures_list_marks_named_only_and_param_is_checked(capsys, monkeypatch
               "realshape-dsv4.num_layers=8", "--param", "realshape-dsv4.expert_dtype=fp8"])
     assert seen["realshape-dsv4-eagle3"]["params"] == {
         "realshape-dsv4": {"num_layers": 8, "expert_dtype": "fp8"}}
+
+
+@pytest.mark.parametrize("cmd", ["run", "sweep"])
+def test_a_run_id_that_is_a_path_is_refused_before_anything_runs(cmd, tmp_path, capsys,
+                                                                 monkeypatch):
+    monkeypatch.setattr("speclab.report.run_suite", lambda *a, **k: pytest.fail("ran"))
+    monkeypatch.setattr("speclab.sweep.run", lambda *a, **k: pytest.fail("ran"))
+    rc = cli.main([cmd, "--profile", "tiny-cpu", "--run-id", "data/runs/x", "--out",
+                   str(tmp_path)])
+    assert rc == 2
+    assert "'data/runs/x' is not a folder name" in capsys.readouterr().err
+    assert not (tmp_path / "data").exists()

@@ -335,3 +335,23 @@ def test_check_run_compares_counters_and_outputs_per_method(tmp_path):
     write("k3_mtp_x", 3, "mtp", {"num_drafts": 2, "accepted_per_pos": [2, 2, 1]},
           outputs=[[5, 6, 7, 9], [20, 21, 22, 23]])
     assert not mtprig.check_run(expected, tmp_path)["exact"]
+
+
+def test_the_committed_h200_run_is_exact_for_both_methods(tmp_path):
+    """The H200 run (vLLM 0.26.0) against the committed expectation, re-read from its files;
+    a copy with one MTP counter off by one fails."""
+    import shutil
+
+    root = Path(__file__).resolve().parents[1]
+    expected = json.loads((root / "data/expected/mtp-dial-dsv4-h200.json").read_text())
+    run = root / "data/runs/h200-dsv4-mtp-20261204-vllm026"
+    got = mtprig.check_run(expected, run)
+    assert got["exact"] and got["complete"]
+    assert {(p["method"], p["k"]) for p in got["points"]} == {
+        (None, 0), ("eagle3", 1), ("eagle3", 3), ("mtp", 1), ("mtp", 3)}
+    bad = shutil.copytree(run, tmp_path / "run", ignore=shutil.ignore_patterns("logs"))
+    res = bad / "results/k3_mtp_kv-fp8_tp1_raw.json"
+    meta = json.loads(res.read_text())
+    meta["counters"]["accepted_per_pos"][2] -= 1
+    res.write_text(json.dumps(meta))
+    assert not mtprig.check_run(expected, bad)["exact"]

@@ -14,7 +14,6 @@ set -o pipefail
 cd "$(dirname "$0")/../.."
 STAGE=${STAGE:-.stage/gpu026}
 STATE=${STATE:-/tmp/speclab_realshape}
-JIT_DIRS=".triton .tilelang .deep_gemm .cache/tilelang .cache/vllm"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1
 export VLLM_DEEP_GEMM_WARMUP=skip   # the relax warm-up JIT-compiles ~1800 DeepGEMM kernels
 T0=$(date +%s)
@@ -37,8 +36,7 @@ start)
     python3 -m speclab overlay install --site "$SPECLAB_SITE" || exit 4
     python3 tools/gpu/gpu_env.py install --site "$SPECLAB_SITE" || exit 4
     python3 -c "import sys; from speclab import vllm_plugins; vllm_plugins.write_dist(sys.argv[1])" "$SPECLAB_SITE" || exit 4
-    for t in data/jit/*-vllm026-*.tar.gz .jit/*.tar.gz; do [ -e "$t" ] && tar xzf "$t" -C ~ && echo "JIT caches from $t"; done
-    du -sh $(cd ~ && for d in $JIT_DIRS; do [ -d "$d" ] && echo "$HOME/$d"; done) 2>/dev/null
+    bash tools/gpu/jit.sh load vllm026
     free=$(df --output=avail -B1G /dev/shm | tail -1)
     cache=/tmp/speclab_cache; [ "$free" -ge 48 ] && cache=/dev/shm/speclab_cache
     echo "$cache" > "$STATE/cache_dir"
@@ -58,8 +56,7 @@ collect)
   tail -n 200 "$STATE/daemon.out" > "$OUT/daemon.out" 2>/dev/null
   (cd "$STATE" && tar czf "$OUT/logs.tar.gz" logs steptiming 2>/dev/null)
   if [ "${3:-}" = jit ]; then
-    (cd ~ && tar czf "$OUT/jit-cache-vllm026.tar.gz" $(for d in $JIT_DIRS; do [ -d "$d" ] && echo "$d"; done))
-    ls -l "$OUT/jit-cache-vllm026.tar.gz"
+    bash tools/gpu/jit.sh save "$OUT/jit-cache-vllm026.tar.gz"
   fi
   nvidia-smi --query-gpu=name,memory.used,memory.total,utilization.gpu --format=csv,noheader
   pgrep -f "speclab.gpubench drive" >/dev/null && echo "driver still running" || echo "driver ended"

@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# lab.py detached: it keeps running between device calls while the machine stays warm, so a
+# job longer than one call is not cut at each call's end (a point in flight is not lost).
+#   bash tools/gpu/labd.sh start STAGE RELEASE MINUTES JOBS   e.g. .stage/gpu026 0.26 22 mtp-026
+#   bash tools/gpu/labd.sh collect SECONDS                   wait (returns early when lab.py
+#        is done), then copy results.tar.gz, summary.json, driver.log, JIT caches to $OUT
+# The device copies the working tree afresh for every call and drops untracked files, so the
+# detached lab.py runs from a copy of the tree in $LABD (default /tmp/speclab_labd), with the
+# bundle's environment and the carried JIT caches (jit.sh load). lab.py is run again while a
+# job is not done and time is left (a job's own timeout may be shorter than the minutes
+# given; the sweep resumes its points).
+set -o pipefail
+cd "$(dirname "$0")/../.."
+LABD=${LABD:-/tmp/speclab_labd}
+T0=$(date +%s)
+case "${1:-}" in
+start)
+  stage=${2:?stage} rel=${3:?release} minutes=${4:?minutes} jobs=${5:?jobs}
+  envs=$(bash tools/gpu/unpack.sh "$stage") || { echo "bundle incomplete (rc $?)"; exit 3; }
+  mkdir -p "$LABD/repo" "$LABD/out"
+  tar --exclude=./.stage --exclude=./.git -cf - . | tar -xf - -C "$LABD/repo"
+  bash tools/gpu/jit.sh load "vllm${rel//./}"
+  deadline=$(( T0 + minutes * 60 ))
+  cat > "$LABD/run.sh" <<RUN
+set -o pipefail
+$envs
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1
+cd "$LABD/repo"
+for i in 1 2 3; do
+  left=\$(( $deadline - \$(date +%s) ))
+  [ "\$left" -gt 120 ] || break
+  python3 tools/gpu/lab.py --vllm $rel --out "$LABD/out" --deadline "\$left" --only $jobs
+  python3 -c "import json,sys; d=set(json.load(open(sys.argv[2]))); sys.exit(0 if set(sys.argv[1].split(','))<=d else 1)" $jobs "\${LAB_STATE:-/tmp/speclab_lab}/done.json" 2>/dev/null && break
+done
+echo "labd done \$(date -u +%FT%TZ)"
+RUN
+  setsid nohup bash "$LABD/run.sh" > "$LABD/labd.out" 2>&1 < /dev/null &
+  echo "labd pid $! until $(date -d @$deadline +%T); setup $(( $(date +%s) - T0 )) s"
+  sleep 15; tail -n 5 "$LABD/labd.out" ;;
+collect)
+  # a fresh machine (the warm one was given back) has no lab.py to wait for: say so at once
+  [ -e "$LABD/labd.out" ] || { echo "no detached lab.py on this machine (a fresh one?)"; exit 4; }
+  end=$(( T0 + ${2:?seconds} ))
+  while [ "$(date +%s)" -lt "$end" ] && ! grep -q "^labd done" "$LABD/labd.out" 2>/dev/null; do
+    sleep 5
+  done
+  cp "$LABD"/out/* "$OUT"/ 2>/dev/null
+  tail -n 100 "$LABD/labd.out" > "$OUT/labd.out" 2>/dev/null
+  grep -q "^labd done" "$LABD/labd.out" && echo "labd ended" || echo "labd still running"
+  tail -n 30 "$LABD/out/driver.log"
+  cat "$LABD"/repo/data/runs/*/mtp_check.json 2>/dev/null | head -60 ;;
+*)
+  sed -n 2,6p "$0"; exit 2 ;;
+esac

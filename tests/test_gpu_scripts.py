@@ -83,7 +83,8 @@ def test_labd_runs_lab_detached_until_the_job_is_done_and_collect_copies_it(tmp_
            "LAB_STATE": str(tmp_path / "state"), "OUT": str(out),
            "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
     r = subprocess.run(["bash", "tools/gpu/labd.sh", "start", ".stage/gpu026", "0.26", "5",
-                        "mtp-026"], cwd=root, env=env, capture_output=True, text=True, check=False)
+                        "mtp-026", "--slots", "2"], cwd=root, env=env, capture_output=True, text=True,
+                       check=False)
     assert r.returncode == 0 and "labd pid" in r.stdout, r.stdout + r.stderr
     r = subprocess.run(["bash", "tools/gpu/labd.sh", "collect", "60"], cwd=root, env=env,
                        capture_output=True, text=True, check=False)
@@ -91,7 +92,7 @@ def test_labd_runs_lab_detached_until_the_job_is_done_and_collect_copies_it(tmp_
     log = (out / "driver.log").read_text().splitlines()
     assert [line.split()[:3] for line in log] == [["call", "0", "BUNDLE=ok"],
                                                  ["call", "1", "BUNDLE=ok"]]
-    assert "--only mtp-026" in log[1] and "--vllm 0.26" in log[1]
+    assert "--only mtp-026 --slots 2" in log[1] and "--vllm 0.26" in log[1]
     assert json.loads((tmp_path / "state/done.json").read_text()) == ["mtp-026"]
     # lab.py ran from a copy of the tree, which later calls' fresh trees cannot remove
     assert (tmp_path / "labd/repo/tools/gpu/lab.py").exists()

@@ -172,3 +172,15 @@ def test_plain_from_runs_pools_other_runs_of_the_same_target_and_refuses_others(
         parity.plain_from_runs(prof, [tmp_path / "other"])
     with pytest.raises(ValueError, match="not a run folder"):
         parity.plain_from_runs(prof, ["missing"], base=tmp_path)
+
+
+@pytest.mark.parametrize("eager, label, flipped", [(True, "on", False), (False, "off", True)])
+def test_cuda_graphs_arm_flips_the_profiles_eager_setting(eager, label, flipped):
+    prof = _profile().model_copy(update={"engine": {"enforce_eager": eager}})
+    by = {a.name: a for a in parity.plan(prof, ["cuda-graphs"], spec_k=3)}
+    plain_arm, spec_arm = by[f"cuda-graphs-{label}-plain"], by[f"cuda-graphs-{label}-spec"]
+    assert plain_arm.ref.engine == {} and plain_arm.cand.engine == {"enforce_eager": flipped}
+    assert spec_arm.ref == plain_arm.cand and spec_arm.cand.k == 3
+    assert spec_arm.cand.engine == {"enforce_eager": flipped}
+    # its own engines: ids differ from the profile's plain and spec points
+    assert len({plain_arm.ref.id, plain_arm.cand.id, spec_arm.cand.id}) == 3

@@ -14,8 +14,10 @@ from speclab import profiles, studies
 
 ROOT = Path(__file__).resolve().parents[1]
 BEFORE = json.loads((ROOT / "tests/data/lab_plan.json").read_text())
-# studies added after the move (their jobs come after the captured ones)
+# studies added after the move (their jobs come after the captured ones), and studies whose
+# jobs changed since (left out on both sides; test_parity_jobs_cover_the_profile holds them)
 LATER = ("mtp",)
+CHANGED = ("parity",)
 LATER_FIXTURES = ("dial-dsv4-mtp", "dial-dsv4-mtp-eagle3")
 PY = "/opt/torch/.venv/bin/python3"  # the device's interpreter (the capture wrote {python})
 
@@ -44,9 +46,10 @@ def test_plan_equals_lab_py_before_the_move(key):
     before = BEFORE[key]
     plan = studies.plan(studies.stamp(label, release), PY)
     assert plan.stamp == before["STAMP"] and before["RELTAG"] in plan.stamp
-    got = [j.lab_dict() for j in plan.jobs if j.study not in LATER]
-    assert [j["name"] for j in got] == [j["name"] for j in before["jobs"]]
-    for g, want in zip(got, _py(before["jobs"])):
+    got = [j.lab_dict() for j in plan.jobs if j.study not in LATER + CHANGED]
+    kept = [j for j in _py(before["jobs"]) if not j["name"].startswith(CHANGED)]
+    assert [j["name"] for j in got] == [j["name"] for j in kept]
+    for g, want in zip(got, kept):
         assert isinstance(g["after"], tuple) and isinstance(g["cmd"], list)
         assert json.loads(json.dumps(g)) == want, g["name"]
     assert [f for f in plan.fixtures if f not in LATER_FIXTURES] == before["FIXTURES"]
@@ -152,3 +155,46 @@ def test_unknown_keys_are_refused(tmp_path):
     with pytest.raises(studies.StudyError, match="jobs.0.gpu"):
         _study(tmp_path, GOOD.replace("timeout: 60\n    runs: [<RUN>]\n    steps",
                                       "timeout: 60\n    gpu: 2\n    runs: [<RUN>]\n    steps", 1))
+
+
+def test_parity_jobs_cover_the_profile_once_on_both_releases():
+    """Every point the parity profile's sweep runs (grid and one-engine-per-point arms) is
+    chosen by exactly one job's --only; each one-engine group has its job; 0.26 has the same
+    jobs as 0.22 (`also`), their `after` renamed alike."""
+    import fnmatch
+
+    from speclab import parity
+
+    prof = profiles.load("tiny-dsv4-neartie-accept-h200")
+    arms = parity.plan(prof, prof.parity.arms, k_values=prof.parity.k_values,
+                       spec_k=prof.parity.spec_k)
+    ids = {p.id for p in profiles.expand(prof) + parity.points_of(arms)}
+    plan = studies.plan("S-vllm022", PY)
+    jobs = [j for j in plan.jobs if j.study == "parity" and j.vllm == "0.22"]
+    chosen = {}
+    for j in jobs:
+        if "--only" in j.cmd:
+            globs = j.cmd[j.cmd.index("--only") + 1].split(",")
+            for i in ids:
+                if any(fnmatch.fnmatch(i, g) for g in globs):
+                    chosen.setdefault(i, []).append(j.name)
+    assert set(chosen) == ids and all(len(v) == 1 for v in chosen.values()), chosen
+    grouped = {j.cmd[-1] for j in jobs if "groups" in j.cmd}
+    assert grouped == {g.name for g in parity.groups_of(arms)}
+    copies = {j.name: j for j in plan.jobs if j.study == "parity" and j.vllm == "0.26"}
+    assert sorted(copies) == sorted(f"{j.name}-026" for j in jobs)
+    assert all(copies[f"{j.name}-026"].after == tuple(f"{a}-026" for a in j.after)
+               for j in jobs)
+
+
+def test_also_copies_a_studys_jobs_to_another_release():
+    st = studies.Study(name="s", order=1, also=["0.26"], vars={"RUN": "r-<stamp>"},
+                       jobs=[{"name": "a", "timeout": 10, "runs": ["<RUN>"], "steps": [["x"]]},
+                             {"name": "b", "timeout": 10, "runs": ["<RUN>"], "after": ["a"],
+                              "steps": [["y"]]}])
+    plan = studies.plan("S", PY, [st])
+    assert [(j.name, j.vllm, j.after) for j in plan.jobs] == [
+        ("a", "0.22", ()), ("b", "0.22", ("a",)), ("a-026", "0.26", ()),
+        ("b-026", "0.26", ("a-026",))]
+    with pytest.raises(ValueError):
+        studies.Study(name="s", order=1, also=["0.26.1"])

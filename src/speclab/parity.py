@@ -215,7 +215,9 @@ def plan(profile: Profile, arms: Sequence[str], *, k_values: Sequence[int] = (1,
     plain, and spec vs plain under it), "tp2-ep" (TP=2 + expert parallel: plain vs TP=1 plain,
     and spec vs plain at TP=2), "batch1" (one request at a time: plain vs plain, spec vs
     plain), "batch-invariant" (VLLM_BATCH_INVARIANT=1: plain vs plain, spec vs plain under
-    it). The profile's `parity.controls` (injected defects) are appended to any plan."""
+    it), "cuda-graphs" (the profile's `enforce_eager` flipped, so CUDA graphs on where the
+    profile is eager and off where it is not: plain vs plain, spec vs plain under it). The
+    profile's `parity.controls` (injected defects) are appended to any plan."""
     g = profile.grid
     dkv = g.draft_kv_cache_dtype[0]
     plain = Point(k=0, kv_cache_dtype=g.kv_cache_dtype[0], layout=g.layout[0],
@@ -262,6 +264,14 @@ def plan(profile: Profile, arms: Sequence[str], *, k_values: Sequence[int] = (1,
                         "plain with VLLM_BATCH_INVARIANT=1 vs plain"),
                     Arm("batch-invariant-spec", p, spec(p),
                         "speculation vs plain with VLLM_BATCH_INVARIANT=1")]
+        elif a == "cuda-graphs":
+            eager = not profile.engine.get("enforce_eager", False)
+            p = plain.model_copy(update={"engine": {"enforce_eager": eager}})
+            state = "off (eager)" if eager else "on"
+            out += [Arm(f"cuda-graphs-{'off' if eager else 'on'}-plain", plain, p,
+                        f"plain with CUDA graphs {state} vs the profile's plain"),
+                    Arm(f"cuda-graphs-{'off' if eager else 'on'}-spec", p, spec(p),
+                        f"speculation vs plain with CUDA graphs {state}")]
         else:
             raise ValueError(f"unknown parity arm {a!r}")
     return out + controls(profile, plain, spec_k, spec)

@@ -131,7 +131,7 @@ class Parity(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     arms: list[Literal["spec", "repeat", "noise", "draft-kv", "target-kv", "tp2-ep", "batch1",
-                       "batch-invariant"]] = ["spec", "repeat"]
+                       "batch-invariant", "cuda-graphs"]] = ["spec", "repeat"]
     k_values: list[int] = [1, 2, 3, 4]
     spec_k: int = Field(3, ge=1)
     near_tie: float = Field(0.05, gt=0)

@@ -23,7 +23,7 @@ import re
 import shlex
 import sys
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -103,6 +103,9 @@ class Study(BaseModel):
     description: str = ""
     order: int  # where its jobs go in the plan, lower first
     vllm: str = Field("0.22", pattern=RELEASE)  # release of the jobs that name none
+    # more releases every job also runs on: a copy named <job>-<minor> (mtp -> mtp-026 for
+    # 0.26), its `after` jobs renamed alike; the run folders differ by <stamp>'s release
+    also: list[Annotated[str, Field(pattern=RELEASE)]] = []
     vars: dict[str, str] = {}
     fixtures: list[str] = []  # checkpoints lab.py's set-up builds (speclab fixtures build)
     setup_run: str | None = None  # run folder of lab.py's set-up (selftest.json, env.json)
@@ -174,6 +177,13 @@ def command(steps: list[list[str] | Shell | OnExit], join: str = "and") -> list[
     return ["bash", "-c", {"and": " && ", "then": "; "}[join].join(parts)]
 
 
+def copy_for(job: Job, release: str) -> Job:
+    """The job on another release (`Study.also`): `<name>-<minor>`, after jobs alike."""
+    tag = "-" + release_tag(release).removeprefix("vllm")
+    return job.model_copy(update={"name": job.name + tag, "vllm": release,
+                                  "after": [a + tag for a in job.after]})
+
+
 def load_study(path: Path) -> Study:
     try:
         raw = yaml.safe_load(Path(path).read_text())
@@ -210,7 +220,7 @@ def plan(stamp: str, python: str = sys.executable, studies: list[Study] | None =
                 values[k] = _fill(v, values, f"{st.name}: vars.{k}")
             if st.setup_run:
                 setup_runs.append(_fill(st.setup_run, values, f"{st.name}: setup_run"))
-            for j in st.jobs:
+            for j in [*st.jobs, *(copy_for(j, r) for r in st.also for j in st.jobs)]:
                 where = f"{st.name}: {j.name}"
                 steps = [s if not isinstance(s, list) else [_fill(x, values, where) for x in s]
                          for s in j.steps]

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # lab.py detached: it keeps running between device calls while the machine stays warm, so a
 # job longer than one call is not cut at each call's end (a point in flight is not lost).
-#   bash tools/gpu/labd.sh start STAGE RELEASE MINUTES JOBS   e.g. .stage/gpu026 0.26 22 mtp-026
+#   bash tools/gpu/labd.sh start STAGE RELEASE MINUTES JOBS [LAB_ARGS]   e.g. .stage/gpu026 0.26 22
+#        mtp-026 (JOBS: comma-separated; LAB_ARGS go to lab.py, e.g. --slots 2)
 #   bash tools/gpu/labd.sh collect SECONDS                   wait (returns early when lab.py
 #        is done), then copy results.tar.gz, summary.json, driver.log, JIT caches to $OUT
 # The device copies the working tree afresh for every call and drops untracked files, so the
@@ -16,6 +17,7 @@ T0=$(date +%s)
 case "${1:-}" in
 start)
   stage=${2:?stage} rel=${3:?release} minutes=${4:?minutes} jobs=${5:?jobs}
+  shift 5; extra=""; [ $# -gt 0 ] && extra=$(printf ' %q' "$@")
   envs=$(bash tools/gpu/unpack.sh "$stage") || { echo "bundle incomplete (rc $?)"; exit 3; }
   mkdir -p "$LABD/repo" "$LABD/out"
   tar --exclude=./.stage --exclude=./.git -cf - . | tar -xf - -C "$LABD/repo"
@@ -29,7 +31,7 @@ cd "$LABD/repo"
 for i in 1 2 3; do
   left=\$(( $deadline - \$(date +%s) ))
   [ "\$left" -gt 120 ] || break
-  python3 tools/gpu/lab.py --vllm $rel --out "$LABD/out" --deadline "\$left" --only $jobs
+  python3 tools/gpu/lab.py --vllm $rel --out "$LABD/out" --deadline "\$left" --only $jobs$extra
   python3 -c "import json,sys; d=set(json.load(open(sys.argv[2]))); sys.exit(0 if set(sys.argv[1].split(','))<=d else 1)" $jobs "\${LAB_STATE:-/tmp/speclab_lab}/done.json" 2>/dev/null && break
 done
 echo "labd done \$(date -u +%FT%TZ)"

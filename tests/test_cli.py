@@ -2,7 +2,7 @@
 
 import pytest
 
-from speclab import cli
+from speclab import cli, paths
 
 
 def parse(*argv):
@@ -82,8 +82,11 @@ def test_a_run_id_that_is_a_path_is_refused_before_anything_runs(cmd, tmp_path, 
                                                                  monkeypatch):
     monkeypatch.setattr("speclab.report.run_suite", lambda *a, **k: pytest.fail("ran"))
     monkeypatch.setattr("speclab.sweep.run", lambda *a, **k: pytest.fail("ran"))
-    rc = cli.main([cmd, "--profile", "tiny-cpu", "--run-id", "data/runs/x", "--out",
-                   str(tmp_path)])
-    assert rc == 2
+    with pytest.raises(SystemExit) as e:
+        cli.main([cmd, "--profile", "tiny-cpu", "--run-id", "data/runs/x", "--out",
+                  str(tmp_path)])
+    assert e.value.code == 2
     assert "'data/runs/x' is not a folder name" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="not a folder name"):  # the library refuses it too
+        paths.run_folders("data/runs/x", tmp_path)
     assert not (tmp_path / "data").exists()

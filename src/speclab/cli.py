@@ -300,10 +300,21 @@ def cmd_bench(a) -> int:
     return bench.main(a.profile, a.k, a.run_id)
 
 
+def _run_id_arg(value: str) -> str:
+    """--run-id checked as argparse reads it: a bad one stops before anything loads."""
+    from speclab import paths
+
+    try:
+        return paths.check_run_id(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def _common(p) -> None:
     """The options `run` and `sweep` share, spelled the same."""
     p.add_argument("--profile", default="tiny-cpu", help="profile name or YAML path")
-    p.add_argument("--run-id", help="run folder name under data/runs (default: <profile>-local; "
+    p.add_argument("--run-id", type=_run_id_arg,
+                   help="run folder name under data/runs (default: <profile>-local; "
                    "a finished point is resumed when its fingerprint matches)")
     p.add_argument("--out", metavar="DIR", help="output root: runs in DIR/data/runs, figures in "
                    "DIR/figures (default: $SPECLAB_OUT, else the checkout, else the working "

@@ -25,14 +25,20 @@ def output_root() -> Path:
     return Path(env).expanduser().resolve() if env else (CHECKOUT or Path.cwd())
 
 
-def run_folders(run_id: str, runs_root: Path | None = None, figures_root: Path | None = None
-                ) -> tuple[Path, Path]:
-    """(<root>/data/runs/<run_id>, <root>/figures/<run_id>), or under the given roots. A run
-    id is one folder name: a path (`data/runs/x`) would nest a run inside the runs folder."""
+def check_run_id(run_id: str) -> str:
+    """A run id is one folder name: a path (`data/runs/x`) would nest a run inside the runs
+    folder. ValueError saying so, else the id."""
     if not run_id or Path(run_id).name != run_id or run_id in (".", ".."):
         raise ValueError(f"run id {run_id!r} is not a folder name: give the name under "
                          f"data/runs (e.g. {Path(str(run_id)).name!r}), and --out DIR for "
                          "another output root")
+    return run_id
+
+
+def run_folders(run_id: str, runs_root: Path | None = None, figures_root: Path | None = None
+                ) -> tuple[Path, Path]:
+    """(<root>/data/runs/<run_id>, <root>/figures/<run_id>), or under the given roots."""
+    check_run_id(run_id)
     root = output_root()
     return ((Path(runs_root) if runs_root else root / "data" / "runs") / run_id,
             (Path(figures_root) if figures_root else root / "figures") / run_id)

@@ -464,6 +464,7 @@ def release_facts(src: base.Source) -> dict:
                    if src.has_module(m)},
         "draft": base.draft_facts(src),
         "kv": base.kv_facts(src),
+        "breakable": base.breakable_facts(src),
         "runner": runner_facts(src),
     }
 
@@ -471,7 +472,8 @@ def release_facts(src: base.Source) -> dict:
 def release_plan(facts: dict) -> dict:
     """The per-feature plan for a release: per platform model module, then engine-wide."""
     return {"platforms": {p: model_plan(f, p) for p, f in facts["models"].items()},
-            "engine": {**base.draft_plan(facts["draft"]), **base.kv_plan(facts["kv"])}}
+            "engine": {**base.draft_plan(facts["draft"]), **base.kv_plan(facts["kv"]),
+                       **base.breakable_plan(facts["breakable"])}}
 
 
 # --------------------------------------------------------------------------- applying it

@@ -38,7 +38,7 @@ import os
 import sys
 import warnings
 
-OVERLAY_VERSION = "2.0.0"
+OVERLAY_VERSION = "2.1.0"
 MODE_ENV = "DSV4_EAGLE3_OVERLAY"
 DTYPE_ENV = "EAGLE3_DRAFT_KV_CACHE_DTYPE"
 PROPOSER = "vllm.v1.spec_decode.llm_base_proposer"
@@ -47,6 +47,8 @@ SPEC_CONFIG = "vllm.config.speculative"
 KV_UTILS = "vllm.v1.core.kv_cache_utils"
 KV_PLANNING = "vllm.v1.core.kv_cache_planning"  # vLLM >= 0.33 plans the KV cache here
 KV_MODULES = (KV_PLANNING, KV_UTILS)
+BREAKABLE = "vllm.compilation.breakable_cudagraph"  # vLLM >= 0.22: breakable CUDA graphs
+VLLM_CONFIG = "vllm.config.vllm"
 
 PATCHES: dict[str, dict[str, str]] = {}
 """What happened to each named patch in this process: target, status (applied | off |
@@ -63,6 +65,7 @@ _HOOKS: dict[str, list] = {}
 _finder = None
 _kvi = None  # vllm.v1.kv_cache_interface, bound when the KV module is patched
 _native_draft_dtype = False  # SpeculativeConfig.kv_cache_dtype exists (bound with the patch)
+_installing = False  # install() is registering its hooks (a hook that runs now: preloaded)
 
 
 # --------------------------------------------------------------------------- infrastructure
@@ -714,6 +717,81 @@ def patch_kv_cache(module) -> None:
         record(name, target, "applied")
 
 
+# --------------------------------------------------------------------------- eager breaks
+def breakable_facts(src: Source) -> dict:
+    """Whether ``eager_break_during_capture`` decides when an op is decorated (at the import
+    of its module) that breakable CUDA graphs are off and returns the op unwrapped
+    (``if not is_breakable_cudagraph_enabled(): return fn``, 0.22-0.32; 0.33 always wraps),
+    and whether ``VllmConfig`` turns them on itself (``os.environ[...] = "1"`` for
+    DeepSeek-V4, 0.23-0.32), which happens after the model's modules were imported."""
+    import ast
+
+    fn = src.node(BREAKABLE, "eager_break_during_capture")
+    config = src.node(VLLM_CONFIG, "VllmConfig")
+    return {
+        "eager_break": fn is not None,
+        "decides_at_decoration": isinstance(fn, ast.FunctionDef) and any(
+            isinstance(n, ast.If) and mentions(n.test, "is_breakable_cudagraph_enabled")
+            and any(isinstance(b, ast.Return) for b in n.body) for n in fn.body),
+        "auto_enables": config is not None and any(
+            isinstance(n, ast.Assign) and any(
+                isinstance(t, ast.Subscript) and mentions(t.value, "environ")
+                and mentions(t.slice, "VLLM_USE_BREAKABLE_CUDAGRAPH") for t in n.targets)
+            for n in ast.walk(config)),
+    }
+
+
+def breakable_plan(facts: dict) -> dict:
+    """``eager-breaks``: not needed | native | patched."""
+    if not facts["eager_break"]:
+        return {"eager-breaks": plan_entry("not needed", {}, "no breakable CUDA graphs")}
+    if not facts["decides_at_decoration"]:
+        return {"eager-breaks": plan_entry("native", {}, (
+            "eager_break_during_capture always wraps and decides at call time"))}
+    if not facts["auto_enables"]:
+        return {"eager-breaks": plan_entry("not needed", {}, (
+            "breakable CUDA graphs only from VLLM_USE_BREAKABLE_CUDAGRAPH set before start, "
+            "which every op's decoration sees"))}
+    return {"eager-breaks": plan_entry("patched", {
+        "eager-breaks": f"{BREAKABLE}.eager_break_during_capture"}, (
+        "eager_break_during_capture reads VLLM_USE_BREAKABLE_CUDAGRAPH when an op is "
+        "decorated, but VllmConfig turns it on for DeepSeek-V4 only after ModelConfig has "
+        "imported the model (quantization lookup) and with it the attention ops, unwrapped: "
+        "a breakable graph (the drafter's PIECEWISE graphs) then records attention's "
+        "profiling path (output 0) instead of running it. Every op is wrapped; the wrapper "
+        "decides at call time, as vLLM >= 0.33 does"))}
+
+
+def _decorate_with_breaks(orig, module, fn):
+    """``orig(fn)`` with breakable graphs taken as on while decorating: the stock wrapper,
+    which breaks only inside a ``BreakableCUDAGraphCapture`` (there is none unless vLLM runs
+    breakable graphs) and otherwise just calls ``fn``."""
+    saved = module.is_breakable_cudagraph_enabled
+    module.is_breakable_cudagraph_enabled = lambda: True
+    try:
+        return orig(fn)
+    finally:
+        module.is_breakable_cudagraph_enabled = saved
+
+
+def patch_breakable(module) -> None:
+    """Import hook for ``breakable_cudagraph``: every op decorated from now on keeps its
+    eager break."""
+    facts = breakable_facts(Source())
+    targets = adopt("engine", breakable_plan(facts), "breakable", facts)
+    if mode() == "off" or not targets:
+        return
+    module.eager_break_during_capture = _wrap(module.eager_break_during_capture,
+                                              lambda orig, fn: _decorate_with_breaks(
+                                                  orig, module, fn))
+    if _installing:  # imported before install(): the ops decorated then stay unwrapped
+        record("eager-breaks", targets["eager-breaks"], "failed",
+               f"{BREAKABLE} was imported before the overlay was installed; load the overlay "
+               "from its .pth line")
+    else:
+        record("eager-breaks", targets["eager-breaks"], "applied")
+
+
 # --------------------------------------------------------------------------- entry point
 def installed() -> bool:
     """Whether ``install()`` ran in this process."""
@@ -722,6 +800,12 @@ def installed() -> bool:
 
 def install() -> None:
     """Register the import hooks (idempotent; imports neither torch nor vLLM)."""
+    global _installing
+    _installing = True
+    try:
+        when_imported(BREAKABLE, patch_breakable)
+    finally:
+        _installing = False
     when_imported(PROPOSER, patch_proposer)
     when_imported(EAGLE_LOADER, patch_eagle_loader)
     for module in KV_MODULES:

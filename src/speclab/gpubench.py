@@ -154,26 +154,35 @@ def oracle_diag_plan() -> list[Engine]:
             Engine(4, 3, batches=(1,), fa_splits=0)]
 
 
-def deep_plan(layers: int = 32) -> list[Engine]:
-    """Plain and k = 3 (drafter eager, the setting vLLM 0.26 accepts) at `layers` real-shape
-    layers, B = 1 and 16, plain also at the verify sizes 4 and 64: at 4-8 layers a step is
-    host time (2026-12-03), at 32 the GPU's share is near the full model's. With 106 GiB of
-    weights one engine fits the GPU at a time, so its rounds do not interleave with the
-    other's."""
+def deep_plan(layers: int = 32, draft_eager: bool = True) -> list[Engine]:
+    """Plain and k = 3 at `layers` real-shape layers, B = 1 and 16, plain also at the verify
+    sizes 4 and 64: at 4-8 layers a step is host time (2026-12-03), at 32 the GPU's share is
+    near the full model's. The drafter eager by default (the setting vLLM 0.26 accepted
+    before overlay 2.1.0's `eager-breaks`). With 106 GiB of weights one engine fits the GPU
+    at a time, so its rounds do not interleave with the other's."""
     return [Engine(layers, 0, batches=(1, 16), extra_batches=verify_batches((1, 16), [3])),
-            Engine(layers, 3, batches=(1, 16), draft_eager=True)]
+            Engine(layers, 3, batches=(1, 16), draft_eager=draft_eager)]
 
 
-def deep_fit_plan(shallow: int = 24, deep: int = 32) -> list[Engine]:
+def deep_fit_plan(shallow: int = 24, deep: int = 32, draft_eager: bool = True) -> list[Engine]:
     """The layer-count fit at depths where a plain step is GPU time (2026-12-04: 32 layers
     is, 4-8 are host-bound): plain at `shallow` layers, then `deep_plan(deep)` on the same
     machine, so plain and k = 3 at `deep` share a GPU."""
-    plain, spec = deep_plan(deep)
+    plain, spec = deep_plan(deep, draft_eager)
     return [replace(plain, layers=shallow), plain, spec]
+
+
+def breaks_check_plan() -> list[Engine]:
+    """Whether the drafter's own CUDA graphs now accept (overlay 2.1.0 `eager-breaks`): k = 3
+    at 4 layers, B = 1, the drafter in its graphs (1 0 0 of 126 drafts before the fix,
+    2026-12-03) and eager (exact then), both against the oracle's expectation."""
+    return [Engine(4, 3, batches=(1,)), Engine(4, 3, batches=(1,), draft_eager=True)]
 
 
 PLANS = {**{f"timing-{v}": (lambda v=v: timing_plan(v)) for v in DRAFT_VARIANTS},
          "timing-deep": deep_plan, "timing-deep-fit": deep_fit_plan,
+         "timing-deep-fit-graphs": lambda: deep_fit_plan(draft_eager=False),
+         "breaks-check": breaks_check_plan,
          "oracle-diag": oracle_diag_plan,
          "smoke": lambda: [Engine(4, 0, batches=(1,), extra_batches=(4,)),
                            Engine(4, 3, batches=(1,))],

@@ -19,8 +19,10 @@ import pytest
 from speclab import executor_ray, executors, profiles, store, sweep
 from speclab.profiles import Point
 
-OVER = {"prompts": {"limit": 4}, "max_tokens": 16,
-        "grid": {"method": ["eagle3"], "num_speculative_tokens": [0, 2]},
+# the notebook suite's sampling (conftest.SMOKE): its k = 0 and eagle3 k = 3 points are the
+# local executor's reference
+OVER = {"prompts": {"limit": 8}, "max_tokens": 32,
+        "grid": {"method": ["eagle3"], "num_speculative_tokens": [0, 3]},
         "ray": {"resource": "GPU"}, "timed_passes": 2}
 RAY = str(Path(sys.executable).parent / "ray")
 
@@ -149,7 +151,7 @@ def _wait(cond, timeout: float, what: str, proc: subprocess.Popen | None = None)
 
 @pytest.mark.vllm
 @pytest.mark.timeout(1500)
-def test_ray_sweep_on_a_local_cluster(tmp_path, fixture_cache, monkeypatch):
+def test_ray_sweep_on_a_local_cluster(tmp_path, fixture_cache, smoke_suite, monkeypatch):
     # the cluster's processes start with this environment (speclab importable on its nodes)
     monkeypatch.setenv("SPECLAB_CACHE", str(fixture_cache.parent))
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [
@@ -157,10 +159,10 @@ def test_ray_sweep_on_a_local_cluster(tmp_path, fixture_cache, monkeypatch):
     env = dict(os.environ)
     prof = profiles.load("tiny-cpu", OVER)
     ids = [p.id for p in sweep.expand(prof)]
-    local_dir, ray_dir = tmp_path / "local", tmp_path / "ray"
-    # the local reference for counters and tokens: one pass each (timing rounds add only
-    # throughput, two engine starts on 2 cores)
-    sweep.run(profiles.load("tiny-cpu", {**OVER, "timed_passes": 1}), local_dir)
+    ray_dir = tmp_path / "ray"
+    # the local reference for counters and tokens: the session's notebook suite measured
+    # these points with the local executor (conftest.smoke_suite; two engine starts saved)
+    local_dir = smoke_suite[0] / "runs" / "smoke"
 
     cluster = LocalCluster()
     try:
@@ -201,11 +203,15 @@ def test_ray_sweep_on_a_local_cluster(tmp_path, fixture_cache, monkeypatch):
             assert (ray_dir / "logs" / f"{i}.round2.log").exists()
         assert {m["executor"]["cuda_visible_devices"] for m in metas.values()} == {"0", "1"}
 
-        # exactly the local executor's counters and tokens
+        # exactly the local executor's counters and tokens, same sampling and engine
         _, lrec = store.load_results(local_dir)
         _, rrec = store.load_results(ray_dir)
         for i in ids:
-            assert metas[i]["counters"] == store.read_meta(local_dir, i)["counters"], i
+            ref = store.read_meta(local_dir, i)
+            assert ref["status"] == "ok" and "executor" not in ref, i
+            assert (metas[i]["sampling"], metas[i]["engine_args"]) == (
+                ref["sampling"], ref["engine_args"]), i
+            assert metas[i]["counters"] == ref["counters"], i
             a = lrec[lrec.point_id == i].set_index("prompt_id").output_token_ids
             b = rrec[rrec.point_id == i].set_index("prompt_id").output_token_ids
             assert {k: list(v) for k, v in a.items()} == {k: list(v) for k, v in b.items()}

@@ -140,9 +140,16 @@ def versions() -> dict[str, str | None]:
 
 @contextmanager
 def open_llm(args: dict[str, Any]) -> Iterator[Any]:
-    """A `vllm.LLM` that is shut down and freed (GPU memory included) on exit."""
+    """A `vllm.LLM` that is shut down and freed (GPU memory included) on exit.
+
+    Before the engine starts, what is imported so far is frozen (`gc.freeze`: the full
+    collections vLLM makes while it loads skip it; vLLM freezes its own heap once up and
+    unfreezes everything at shutdown) and cyclic collection is turned on (a child has it off
+    while it imports, `launch.child_main`)."""
     from vllm import LLM
 
+    gc.freeze()
+    gc.enable()
     llm = LLM(**args)
     try:
         yield llm

@@ -11,6 +11,7 @@ worker (`python -m speclab.worker SPEC`) and record its failure when it wrote no
 from __future__ import annotations
 
 import ctypes
+import gc
 import json
 import logging
 import os
@@ -22,7 +23,7 @@ import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import IO, Iterator
+from typing import IO, Callable, Iterator, NoReturn
 
 from speclab import fingerprint, methods, store
 from speclab.profiles import Point, Profile, resolve_model
@@ -214,6 +215,17 @@ def die_with_parent(parent_pid: int) -> None:
         end_group()
 
     threading.Thread(target=watch, daemon=True, name="speclab-parent-watch").start()
+
+
+def child_main(main: Callable[[str], int]) -> NoReturn:
+    """Exit with `main(SPEC path from argv)`, run without cyclic garbage collection until its
+    engine starts (`engine.open_llm` turns it back on, before any engine process can inherit
+    it off) and without the final collection at exit: each full pass walks everything torch
+    and vLLM imported so far."""
+    gc.disable()
+    rc = main(sys.argv[1])
+    gc.freeze()
+    sys.exit(rc)
 
 
 def guard_parent(spec: dict) -> bool:

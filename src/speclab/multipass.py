@@ -238,4 +238,4 @@ def main(spec_path: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    launch.child_main(main)

@@ -168,4 +168,4 @@ def main(spec_path: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    launch.child_main(main)

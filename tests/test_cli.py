@@ -89,4 +89,6 @@ def test_a_run_id_that_is_a_path_is_refused_before_anything_runs(cmd, tmp_path, 
     assert "'data/runs/x' is not a folder name" in capsys.readouterr().err
     with pytest.raises(ValueError, match="not a folder name"):  # the library refuses it too
         paths.run_folders("data/runs/x", tmp_path)
+    # an absolute path names the run folder itself
+    assert paths.run_folders(str(tmp_path / "r"), tmp_path)[0] == tmp_path / "r"
     assert not (tmp_path / "data").exists()

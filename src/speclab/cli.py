@@ -314,7 +314,7 @@ def _common(p) -> None:
     """The options `run` and `sweep` share, spelled the same."""
     p.add_argument("--profile", default="tiny-cpu", help="profile name or YAML path")
     p.add_argument("--run-id", type=_run_id_arg,
-                   help="run folder name under data/runs (default: <profile>-local; "
+                   help="run folder name under data/runs, or an absolute path (default: <profile>-local; "
                    "a finished point is resumed when its fingerprint matches)")
     p.add_argument("--out", metavar="DIR", help="output root: runs in DIR/data/runs, figures in "
                    "DIR/figures (default: $SPECLAB_OUT, else the checkout, else the working "

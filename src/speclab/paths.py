@@ -26,9 +26,11 @@ def output_root() -> Path:
 
 
 def check_run_id(run_id: str) -> str:
-    """A run id is one folder name: a path (`data/runs/x`) would nest a run inside the runs
-    folder. ValueError saying so, else the id."""
-    if not run_id or Path(run_id).name != run_id or run_id in (".", ".."):
+    """A run id is one folder name, or an absolute path (the run folder itself): a relative
+    path (`data/runs/x`) would nest a run inside the runs folder. ValueError saying so, else
+    the id."""
+    if not run_id or run_id in (".", "..") or (
+            not Path(run_id).is_absolute() and Path(run_id).name != run_id):
         raise ValueError(f"run id {run_id!r} is not a folder name: give the name under "
                          f"data/runs (e.g. {Path(str(run_id)).name!r}), and --out DIR for "
                          "another output root")

@@ -23,7 +23,7 @@ def load_lab(monkeypatch, tmp_path, release="0.22.0"):
     monkeypatch.setattr(mod, "REPO", tmp_path / "repo")
     monkeypatch.setattr(mod, "RUNS", tmp_path / "repo/data/runs")
     monkeypatch.setattr(mod, "STATE", tmp_path / "state")
-    monkeypatch.setattr(mod, "JIT_CACHES", [])
+    monkeypatch.setattr(mod, "save_jit_cache", lambda out, fh: None)  # not this machine's
     (tmp_path / "state").mkdir(exist_ok=True)
     (tmp_path / "repo").mkdir(exist_ok=True)
     return mod
@@ -269,3 +269,26 @@ def test_what_a_finished_job_left_behind_is_stopped(lab, tmp_path):
     left = [pid for pid in lab.FAMILIES["leaves"] if psutil.pid_exists(pid)
             and psutil.Process(pid).status() != "zombie"]
     assert left == []
+
+
+def test_the_jit_cache_is_saved_in_the_layout_jit_sh_loads(tmp_path, monkeypatch):
+    """lab.py saves through tools/gpu/jit.sh (members relative to $HOME), none when empty."""
+    import tarfile
+
+    monkeypatch.setenv("SPECLAB_VLLM", "0.26.0")
+    spec = importlib.util.spec_from_file_location("lab_jit", REPO / "tools/gpu/lab.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    home, out = tmp_path / "home", tmp_path / "out"
+    out.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    with open(tmp_path / "log", "w") as fh:
+        home.mkdir()
+        mod.save_jit_cache(out, fh)
+        assert not list(out.iterdir())  # nothing compiled: no tarball
+        (home / ".tilelang/cache").mkdir(parents=True)
+        (home / ".tilelang/cache/k.so").write_text("k")
+        mod.save_jit_cache(out, fh)
+    with tarfile.open(out / "jit-cache-vllm026.tar.gz") as t:
+        assert ".tilelang/cache/k.so" in t.getnames()
+    assert "-> 0.0 MiB" in (tmp_path / "log").read_text()

@@ -267,11 +267,11 @@ def plan(profile: Profile, arms: Sequence[str], *, k_values: Sequence[int] = (1,
         elif a == "cuda-graphs":
             eager = not profile.engine.get("enforce_eager", False)
             p = plain.model_copy(update={"engine": {"enforce_eager": eager}})
-            state = "off (eager)" if eager else "on"
-            out += [Arm(f"cuda-graphs-{'off' if eager else 'on'}-plain", plain, p,
-                        f"plain with CUDA graphs {state} vs the profile's plain"),
-                    Arm(f"cuda-graphs-{'off' if eager else 'on'}-spec", p, spec(p),
-                        f"speculation vs plain with CUDA graphs {state}")]
+            graphs = "off" if eager else "on"
+            out += [Arm(f"cuda-graphs-{graphs}-plain", plain, p,
+                        f"plain with CUDA graphs {graphs} vs the profile's plain"),
+                    Arm(f"cuda-graphs-{graphs}-spec", p, spec(p),
+                        f"speculation vs plain with CUDA graphs {graphs}")]
         else:
             raise ValueError(f"unknown parity arm {a!r}")
     return out + controls(profile, plain, spec_k, spec)

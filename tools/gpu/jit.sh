@@ -2,7 +2,8 @@
 # The JIT caches a device machine compiled (Triton, TileLang, DeepGEMM, vLLM), carried between
 # fresh machines as data/jit/jit-cache-<reltag>-h200.tar.gz.
 #   bash tools/gpu/jit.sh load RELTAG     extract data/jit/*-RELTAG-*.tar.gz (and .jit/*.tar.gz)
-#   bash tools/gpu/jit.sh save FILE       tar the caches into FILE (members relative to $HOME)
+#   bash tools/gpu/jit.sh save FILE       tar the caches into FILE (members relative to $HOME;
+#        lab.py and realshape.sh save through it; none there: no FILE)
 # load takes both layouts in use: members relative to $HOME (`save`, realshape.sh) and
 # absolute ones stored as root/... (lab.py's save_jit_cache tars /root/.triton/cache etc.).
 set -o pipefail
@@ -20,8 +21,9 @@ load)
   done
   (cd "$HOME" && du -sh $(for d in $DIRS; do [ -d "$d" ] && echo "$d"; done) 2>/dev/null) ;;
 save)
-  (cd "$HOME" && tar czf "${2:?file}" $(for d in $DIRS; do [ -d "$d" ] && echo "$d"; done))
-  ls -l "$2" ;;
+  have=$(cd "$HOME" && for d in $DIRS; do [ -d "$d" ] && echo "$d"; done)
+  [ -n "$have" ] || { echo "no JIT caches under $HOME"; exit 0; }
+  (cd "$HOME" && tar czf "${2:?file}" $have && du -sh $have) ;;
 *)
   sed -n 2,7p "$0"; exit 2 ;;
 esac

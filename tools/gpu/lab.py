@@ -264,21 +264,17 @@ def setup(fh) -> None:
     marker.write_text(json.dumps({"DSV4_COMPRESSOR": env["DSV4_COMPRESSOR"]}))
 
 
-JIT_CACHES = ["~/.triton/cache", "~/.tilelang", "~/.deep_gemm", "~/.cache/tilelang",
-              "~/.cache/vllm"]
-
-
 def save_jit_cache(out: Path, fh) -> None:
     """The kernels JIT-compiled on this machine (TileLang, DeepGEMM, Triton), so a later
-    session can carry them instead of compiling for minutes; dropped if over 15 MiB."""
-    dirs = [os.path.expanduser(d) for d in JIT_CACHES if os.path.isdir(os.path.expanduser(d))]
-    if not dirs:
-        return
+    session can carry them instead of compiling for minutes (`jit.sh save`, the layout
+    `jit.sh load` reads); dropped if over 15 MiB."""
     dest = out / f"jit-cache-{RELTAG}.tar.gz"
-    subprocess.run(["tar", "czf", str(dest), *dirs], check=False, capture_output=True)
-    size = dest.stat().st_size if dest.exists() else 0
-    sizes = subprocess.run(["du", "-sh", *dirs], capture_output=True, text=True).stdout
-    log(f"jit caches: {sizes.strip()} -> {size / 2**20:.1f} MiB", fh)
+    r = subprocess.run(["bash", f"{T}/jit.sh", "save", str(dest)], cwd=REPO,
+                       capture_output=True, text=True, check=False)
+    if not dest.exists():
+        return
+    size = dest.stat().st_size
+    log(f"jit caches: {r.stdout.strip()} -> {size / 2**20:.1f} MiB", fh)
     if size > 15 * 2**20:
         dest.unlink()
 

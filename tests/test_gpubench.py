@@ -29,6 +29,7 @@ def fake_pair(tmp_path, monkeypatch):
     (t / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": 2**30}}))
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(FAKES), os.environ.get("PYTHONPATH", "")]))
     monkeypatch.setattr(G, "gpu_memory", lambda: (139.8, 0.5))
+    monkeypatch.setattr(G, "START_GAP_S", 0)
     return {(4, "fp4", 4): (str(t), str(tmp_path / "draft"))}
 
 
@@ -59,6 +60,39 @@ def test_drive_interleaves_checks_and_resumes(tmp_path, fake_pair):
     n = len(rows)
     G.drive(state, time.time() + 300, "smoke", 2, paths=fake_pair)  # nothing left to do
     assert len((state / "results.jsonl").read_text().splitlines()) == n
+
+
+def test_breaks_then_fit_falls_back_to_the_eager_drafter_when_the_check_fails(tmp_path,
+                                                                             fake_pair, monkeypatch):
+    """The graphed drafter's check decides how k = 3 at 32 layers runs (a fake whose graphed
+    drafter accepts nothing, as vLLM 0.26 did before overlay 2.1.0: eager)."""
+    monkeypatch.setenv("FAKE_VLLM_GRAPHED_DRAFT_REJECTS", "1")
+    paths = {**fake_pair, **{(n, "fp4", 4): fake_pair[(4, "fp4", 4)] for n in (24, 32)}}
+    state = tmp_path / "state"
+    assert G.drive(state, time.time() + 300, "breaks-then-fit", 0, paths=paths, tokens=8) == 0
+    rows = store.read_jsonl(state / "results.jsonl")
+    ran = {r["engine"] for r in rows}
+    assert ran == {"L4-k3-graphs", "L4-k3-graphs-drafteager", "L24-k0-graphs", "L32-k0-graphs",
+                   "L32-k3-graphs-drafteager"}
+    assert not any(G.pass_exact(r) for r in rows if r["engine"] == "L4-k3-graphs" and r["op"] == "pass")
+    assert all(G.pass_exact(r) for r in rows
+               if r["op"] == "pass" and r["engine"] == "L32-k3-graphs-drafteager")
+    assert "skipping L32-k3-graphs: L4-k3-graphs exact is not True" in (
+        state / "driver.log").read_text()
+
+
+def test_a_gate_waits_for_its_engine_then_follows_its_exactness():
+    plan = G.PLANS["breaks-then-fit"]()
+    graphed, eager = plan[3:5]
+    assert (graphed.draft_eager, eager.draft_eager) == (False, True)
+    ok = {"engine": "L4-k3-graphs", "op": "pass", "B": 1, "outputs_exact": 1,
+          "counters": {"accepted_per_pos": [3, 2, 1]}, "expected": {"accepted_per_pos": [3, 2, 1]}}
+    off = {**ok, "counters": {"accepted_per_pos": [1, 0, 0]}}
+    assert G.gate_open(graphed, [ok], {"L4-k3-graphs"}) is None  # still running
+    assert [G.gate_open(e, [ok], set()) for e in (graphed, eager)] == [True, False]
+    assert [G.gate_open(e, [ok, off], set()) for e in (graphed, eager)] == [False, True]
+    assert [G.gate_open(e, [], set()) for e in (graphed, eager)] == [False, True]  # never ran
+    assert G.gate_open(plan[0], [], {"L4-k3-graphs"}) is True  # ungated
 
 
 def test_pass_length_follows_tokens(tmp_path, fake_pair):

@@ -47,6 +47,7 @@ KV_BYTES = 2 * GIB
 OVERHEAD_GIB = 2.5  # per engine beyond weights and KV: CUDA context, activations, graphs
 CAPACITY = 0.93  # share of the GPU a group may plan to use (prefill activations peak above)
 SPEC_BATCHES = (1, 4, 16)
+START_GAP_S = 5  # between two engine starts of a group
 REPEAT_ABOVE = 8  # deeper targets store one layer per kind (realshape `repeat_layers`)
 
 
@@ -63,6 +64,7 @@ class Engine:
     draft_kv_group: int = 4  # query heads per draft KV head (EAGLE3.1: 4, i.e. 8 KV heads)
     draft_eager: bool = False  # speculative_config.enforce_eager: drafter eager, target graphs
     fa_splits: int | None = None  # attention_config.flash_attn_max_num_splits_for_cuda_graph
+    gate: tuple[str, bool] | None = None  # run only once (engine, exact) holds: `gate_open`
 
     @property
     def name(self) -> str:
@@ -179,10 +181,41 @@ def breaks_check_plan() -> list[Engine]:
     return [Engine(4, 3, batches=(1,)), Engine(4, 3, batches=(1,), draft_eager=True)]
 
 
+def breaks_then_fit_plan() -> list[Engine]:
+    """`breaks-check`, then plain and k = 3 at 32 layers back to back, then plain at 24 (the
+    layer-count fit; last, since a cut-off run needs the speedup more). k = 3 runs once: the
+    drafter in its CUDA graphs if the graphed check engine was exact in every pass, else
+    eager, so one start covers both outcomes and no call waits on reading the check."""
+    check = breaks_check_plan()
+    plain24, plain32, spec = deep_fit_plan(draft_eager=False)
+    return [*check, plain32, replace(spec, gate=(check[0].name, True)),
+            replace(spec, draft_eager=True, gate=(check[0].name, False)), plain24]
+
+
+def pass_exact(row: dict) -> bool:
+    """A pass whose every output is the target's greedy and whose counters are the oracle's."""
+    exp = row.get("expected")
+    return row["outputs_exact"] == row["B"] and (
+        exp is None or exp["accepted_per_pos"] == row["counters"].get("accepted_per_pos"))
+
+
+def gate_open(e: Engine, rows: list[dict], pending: set[str]) -> bool | None:
+    """Whether `e` runs: True without a gate; for gate (name, want), None while engine `name`
+    still has work (`pending`), else whether its passes' exactness equals `want` (an engine
+    with no pass, e.g. one that failed to start, counts as not exact)."""
+    if e.gate is None:
+        return True
+    name, want = e.gate
+    if name in pending:
+        return None
+    passes = [r for r in rows if r["engine"] == name and r["op"] == "pass"]
+    return (bool(passes) and all(map(pass_exact, passes))) == want
+
+
 PLANS = {**{f"timing-{v}": (lambda v=v: timing_plan(v)) for v in DRAFT_VARIANTS},
          "timing-deep": deep_plan, "timing-deep-fit": deep_fit_plan,
          "timing-deep-fit-graphs": lambda: deep_fit_plan(draft_eager=False),
-         "breaks-check": breaks_check_plan,
+         "breaks-check": breaks_check_plan, "breaks-then-fit": breaks_then_fit_plan,
          "oracle-diag": oracle_diag_plan,
          "smoke": lambda: [Engine(4, 0, batches=(1,), extra_batches=(4,)),
                            Engine(4, 3, batches=(1,))],
@@ -568,7 +601,8 @@ def _drive(state: Path, deadline: float, plan_name: str, rounds: int, paths, fh,
     plan = PLANS[plan_name]()
     results = state / "results.jsonl"
     engines_file = state / "engines.jsonl"
-    done = {(r["engine"], r["op"], r["round"], r["B"]) for r in store.read_jsonl(results)}
+    rows = store.read_jsonl(results)
+    done = {(r["engine"], r["op"], r["round"], r["B"]) for r in rows}
     warming = start_warm(state, warm_procs) if warm_procs else []
     paths = paths or build_fixtures(plan, fh)
     if warming:
@@ -597,7 +631,22 @@ def _drive(state: Path, deadline: float, plan_name: str, rounds: int, paths, fh,
         return [i for i in items if (e.name, *i) not in done]
 
     failures: dict[str, int] = {}
-    remaining = [e for e in plan if todo(e)]
+
+    def runnable() -> list[Engine]:
+        """Engines with work left whose gate is open; a closed gate is logged and dropped."""
+        left = [e for e in plan if todo(e) and failures.get(e.name, 0) < 2]
+        pending = {e.name for e in left}
+        out = []
+        for e in left:
+            verdict = gate_open(e, rows, pending)
+            if verdict is False:
+                LOG.info(f"skipping {e.name}: {e.gate[0]} exact is not {e.gate[1]}")
+                plan.remove(e)
+            elif verdict:
+                out.append(e)
+        return out
+
+    remaining = runnable()
     while remaining:
         group = ([remaining[0]] if failures.get(remaining[0].name) else
                  pack_groups(remaining, weights, CAPACITY * total, overhead)[0])
@@ -613,7 +662,7 @@ def _drive(state: Path, deadline: float, plan_name: str, rounds: int, paths, fh,
                 frac = min(0.9, (weights[e.layers] + e.kv_bytes / GIB + overhead) / total)
                 workers.append(start_worker(e, engine_args(e, t, d if e.k else None, e.kv_bytes,
                                                            frac), state))
-                time.sleep(5)  # memory checks and weight loads a little apart
+                time.sleep(START_GAP_S)  # memory checks and weight loads a little apart
             for w in workers:
                 w.ready = w.read(max(30, deadline - time.time()))
                 facts = log_facts(w.log_path.read_text(errors="replace"))
@@ -641,6 +690,7 @@ def _drive(state: Path, deadline: float, plan_name: str, rounds: int, paths, fh,
                            "eager": w.eng.eager, "draft_kv_group": w.eng.draft_kv_group, "round": r, "B": B, **ans,
                            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
                     store.append_jsonl(results, row)
+                    rows.append(row)
                     done.add((w.eng.name, op, r, B))
                     exp = ans.get("expected")
                     ok = exp is None or exp["accepted_per_pos"] == ans["counters"].get(
@@ -662,7 +712,7 @@ def _drive(state: Path, deadline: float, plan_name: str, rounds: int, paths, fh,
         for w in workers:
             w.stop()
         used = gpu_memory()[1]
-        remaining = [e for e in plan if todo(e) and failures.get(e.name, 0) < 2]
+        remaining = runnable()
     LOG.info("driver done")
     return 0
 

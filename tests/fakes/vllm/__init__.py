@@ -1,5 +1,7 @@
 """Fake vLLM for CPU tests of speclab.gpubench: greedy outputs follow the fixture's bigram,
-counters follow realshape.expected_counters."""
+counters follow realshape.expected_counters (with FAKE_VLLM_GRAPHED_DRAFT_REJECTS=1 a drafter
+in its CUDA graphs accepts nothing, as vLLM 0.26 did before overlay 2.1.0)."""
+import os
 import time
 from types import SimpleNamespace
 
@@ -36,6 +38,9 @@ class LLM:
         ids = [p["prompt_token_ids"] for p in prompts]
         if self.k and sp.max_tokens > 1:
             c = realshape.expected_counters(self.succ, ids, self.k, sp.max_tokens)
+            graphed = not self.args["speculative_config"].get("enforce_eager")
+            if graphed and os.environ.get("FAKE_VLLM_GRAPHED_DRAFT_REJECTS") == "1":
+                c = {**c, "num_accepted_tokens": 0, "accepted_per_pos": [0] * self.k}
             for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
                 self.tot[key] += c[key]
             self.tot["accepted_per_pos"] = [a + b for a, b in zip(self.tot["accepted_per_pos"], c["accepted_per_pos"])]

@@ -216,6 +216,8 @@ PLANS = {**{f"timing-{v}": (lambda v=v: timing_plan(v)) for v in DRAFT_VARIANTS}
          "timing-deep": deep_plan, "timing-deep-fit": deep_fit_plan,
          "timing-deep-fit-graphs": lambda: deep_fit_plan(draft_eager=False),
          "breaks-check": breaks_check_plan, "breaks-then-fit": breaks_then_fit_plan,
+         "timing-deep-k5": lambda: [Engine(32, 5, batches=(1, 16))],
+         "timing-deep-k1": lambda: [Engine(32, 1, batches=(1, 16))],
          "oracle-diag": oracle_diag_plan,
          "smoke": lambda: [Engine(4, 0, batches=(1,), extra_batches=(4,)),
                            Engine(4, 3, batches=(1,))],

@@ -274,3 +274,23 @@ def test_report_says_a_single_round_is_not_a_result(tmp_path):
         md = predict.report(out).read_text()
         assert f"Timed rounds per point: {rounds} to {rounds}." in md
         assert ("not a result" in md) == caveat
+
+
+def test_an_moe_step_is_read_between_batch_sizes_by_the_experts_it_reads():
+    """A plain step that costs what its batch's routed experts cost (256 experts, top-6),
+    measured at n = 1, 4, 16, 64 only: the verify step of B = 16, k = 1 (32 rows) is read
+    within 1%; linear in n (the control) misses it by more than 5%."""
+    law = lambda n: 5.4 + 0.16 * predict.experts_touched(n)  # ms
+    curve = pd.Series({n: law(n) for n in (1, 4, 16, 64)})
+    for n in (2, 6, 32, 48):
+        assert predict.plain_at(curve, n) == pytest.approx(law(n), rel=0.01)
+    assert predict.interpolate(curve, 32) / law(32) - 1 < -0.05
+    assert np.isnan(predict.plain_at(curve, 96))  # outside the measured batch sizes
+    assert predict.experts_touched(1) == pytest.approx(6) and predict.experts_touched(10**4) == pytest.approx(256)
+
+
+def test_the_drafter_is_read_between_measured_k():
+    d = pd.DataFrame({"k": [1, 3, 5], "draft_ms": [t_draft(k, 1) for k in (1, 3, 5)]})
+    assert predict.drafter_at(d, 4, "draft_ms") == pytest.approx(t_draft(4, 1))
+    assert np.isnan(predict.drafter_at(d, 6, "draft_ms"))
+    assert np.isnan(predict.drafter_at(d.iloc[:0], 1, "draft_ms"))

@@ -192,6 +192,15 @@ def breaks_then_fit_plan() -> list[Engine]:
             replace(spec, draft_eager=True, gate=(check[0].name, False)), plain24]
 
 
+def deep_rest_plan(layers: int = 32) -> list[Engine]:
+    """What the 32-layer speedup table lacks after 2026-12-04 (k = 1, 3, 5 at B = 1, 16 with
+    the drafter in its graphs): plain at every verify size of k = 1..5 at B = 1 and 16 (the
+    cost model's T_plain read directly, not interpolated), and k = 2, 4 at B = 1, 4, 16."""
+    return [Engine(layers, 0, batches=(1, 4, 16),
+                   extra_batches=verify_batches((1, 16), range(1, 6))),
+            *(Engine(layers, k, batches=(1, 4, 16)) for k in (2, 4))]
+
+
 def pass_exact(row: dict) -> bool:
     """A pass whose every output is the target's greedy and whose counters are the oracle's."""
     exp = row.get("expected")
@@ -216,8 +225,9 @@ PLANS = {**{f"timing-{v}": (lambda v=v: timing_plan(v)) for v in DRAFT_VARIANTS}
          "timing-deep": deep_plan, "timing-deep-fit": deep_fit_plan,
          "timing-deep-fit-graphs": lambda: deep_fit_plan(draft_eager=False),
          "breaks-check": breaks_check_plan, "breaks-then-fit": breaks_then_fit_plan,
-         "timing-deep-k5": lambda: [Engine(32, 5, batches=(1, 16))],
-         "timing-deep-k1": lambda: [Engine(32, 1, batches=(1, 16))],
+         **{f"timing-deep-k{k}": (lambda k=k: [Engine(32, k, batches=(1, 16))])
+            for k in range(1, 6)},
+         "timing-deep-rest": deep_rest_plan,
          "oracle-diag": oracle_diag_plan,
          "smoke": lambda: [Engine(4, 0, batches=(1,), extra_batches=(4,)),
                            Engine(4, 3, batches=(1,))],

@@ -11,8 +11,9 @@ with nothing fitted to the speculative points it predicts:
     speedup      = AL(k) * T_plain(B) / T_spec(k, B)
 
 T_plain(n) is the plain engine's step at batch n (the verify forward of B requests with k + 1
-tokens each runs B (k + 1) rows through the same kernels; linear interpolation between the
-measured batch sizes), T_draft the drafter's GPU time per step measured with CUDA events
+tokens each runs B (k + 1) rows through the same kernels), linear between the measured batch
+sizes in E(n), the routed experts n tokens read per MoE layer (`plain_at`: an MoE step's
+cost follows the experts it reads, which grow concavely in n), T_draft the drafter's GPU time per step measured with CUDA events
 (`speclab.steptiming`), and p_j the unconditional acceptance at position j (a run's counters
 or a draft card's published rates). `validate` puts every measured speculative point beside
 its prediction; `extrapolate` fits T_plain(n, L) = a(n) + b(n) L over the measured layer
@@ -34,6 +35,7 @@ from speclab import analysis
 # k = 3 too): unconditional per-position acceptance
 PUBLISHED_EAGLE31 = (0.617, 0.433, 0.294)
 PRODUCTION_LAYERS = 43
+MOE = (256, 6)  # DeepSeek-V4-Flash's config.json: n_routed_experts, num_experts_per_tok
 
 
 def acceptance_profile(rates, k: int) -> list[float]:
@@ -193,18 +195,46 @@ def plain_curve(costs: pd.DataFrame, layers: int, eager: bool) -> pd.Series:
     return c.set_index("B").step_ms.sort_index()
 
 
+def experts_touched(n, experts: int = MOE[0], top_k: int = MOE[1]):
+    """Expected distinct routed experts a batch of n tokens reads in one MoE layer when each
+    token picks `top_k` of `experts` evenly (a router that spreads tokens, as the real-shape
+    fixture's does: `realshape.routing_stats`)."""
+    return experts * (1 - (1 - top_k / experts) ** np.asarray(n, float))
+
+
 def interpolate(curve: pd.Series, n: float) -> float:
-    """T_plain(n): linear between the measured batch sizes, NaN outside them."""
+    """T_plain(n) linear in n between the measured batch sizes, NaN outside them."""
     if curve.empty or not curve.index.min() <= n <= curve.index.max():
         return float("nan")
     return float(np.interp(n, curve.index.to_numpy(float), curve.to_numpy(float)))
 
 
+def plain_at(curve: pd.Series, n: float, moe=MOE) -> float:
+    """T_plain(n): linear between the measured batch sizes in the experts n tokens read,
+    E(n) = `experts_touched(n, *moe)` (linear in n with `moe` None: `interpolate`), NaN
+    outside them."""
+    if moe is None or curve.empty or not curve.index.min() <= n <= curve.index.max():
+        return interpolate(curve, n)
+    return float(np.interp(experts_touched(n, *moe),
+                           experts_touched(curve.index.to_numpy(float), *moe),
+                           curve.to_numpy(float)))
+
+
+def drafter_at(d: pd.DataFrame, k: int, col: str) -> float:
+    """The drafter's time per step at k (`draft_ms` rows of one setting and batch size):
+    measured, else linear in k between the measured k (k sequential draft forwards), NaN
+    outside them."""
+    d = d.sort_values("k")
+    if d.empty or not d.k.min() <= k <= d.k.max():
+        return float("nan")
+    return float(np.interp(k, d.k.to_numpy(float), d[col].to_numpy(float)))
+
+
 def predict(costs: pd.DataFrame, drafts: pd.DataFrame, rates, ks=range(1, 6),
-            batches=None) -> pd.DataFrame:
+            batches=None, moe=MOE) -> pd.DataFrame:
     """Predicted step, tok/s and speedup per (layers, eager, draft, k, B) from the plain
-    curve and the drafter times of each draft setting (module doc), for the acceptance
-    profile `rates`; best k per B is the row with `best` True."""
+    curve (`plain_at` with `moe`) and the drafter times of each draft setting (module doc),
+    for the acceptance profile `rates`; best k per B is the row with `best` True."""
     rows = []
     for (layers, eager), _ in costs.groupby(["layers", "eager"]):
         curve = plain_curve(costs, layers, eager)
@@ -212,17 +242,15 @@ def predict(costs: pd.DataFrame, drafts: pd.DataFrame, rates, ks=range(1, 6),
         for draft in sorted(d.draft.unique()) or [""]:
             dd = d[d.draft == draft]
             for B in batches or sorted(costs[(costs.layers == layers) & (costs.k > 0)].B.unique()):
-                t0 = interpolate(curve, B)
+                t0 = plain_at(curve, B, moe)
                 for k in ks:
-                    hit = dd[(dd.k == k) & (dd.B == B)]
-                    verify = interpolate(curve, B * (k + 1))
-                    step = verify + (float(hit.draft_ms.iloc[0]) if len(hit) else np.nan)
+                    verify = plain_at(curve, B * (k + 1), moe)
+                    step = verify + drafter_at(dd[dd.B == B], k, "draft_ms")
                     al = acceptance_length(rates, k)
                     rows.append({"layers": layers, "eager": eager, "draft": draft, "k": k,
                                  "B": B, "al": al, "verify_ms": verify,
                                  "draft_ms": step - verify, "pred_step_ms": step,
-                                 "draft_host_ms": (float(hit.draft_host_ms.iloc[0])
-                                                   if len(hit) else np.nan),
+                                 "draft_host_ms": drafter_at(dd[dd.B == B], k, "draft_host_ms"),
                                  "pred_tok_s": 1e3 * B * al / step,
                                  "pred_speedup": al * t0 / step})
     out = pd.DataFrame(rows)
@@ -238,7 +266,9 @@ def validate(results: pd.DataFrame, max_tokens: int = 128) -> pd.DataFrame:
     columns step_ms / pred_step_ms, speedup (CI) / pred_speedup, error = pred / measured - 1.
     Where the drafter's host time was recorded, also the bound with that host time serial to
     the verify step (`pred_serial_speedup`: an eager drafter's launches the GPU waits for)
-    and `bracketed`: the measured speedup lies between the two predictions."""
+    and `bracketed`: the measured speedup lies between the two predictions. `error_linear`:
+    the same prediction with T_plain linear in n (`interpolate`), the model before the
+    experts term."""
     costs = step_costs(results, max_tokens)
     drafts = draft_ms(results)
     timed = passes(results, max_tokens)
@@ -249,11 +279,14 @@ def validate(results: pd.DataFrame, max_tokens: int = 128) -> pd.DataFrame:
         if p.empty:
             continue
         q = p.iloc[0]
+        lin = predict(costs, drafts, _rates_for(r, timed), ks=[r.k], batches=[r.B], moe=None)
+        lin = lin[(lin.layers == r.layers) & (lin.eager == r.eager) & (lin.draft == r.draft)]
         serial = q.pred_speedup * q.pred_step_ms / (q.verify_ms + max(q.draft_host_ms,
                                                                       q.draft_ms))
         rows.append({**r.to_dict(), "pred_step_ms": q.pred_step_ms, "draft_ms": q.draft_ms,
                      "verify_ms": q.verify_ms, "pred_speedup": q.pred_speedup,
                      "error": q.pred_speedup / r.speedup - 1, "draft_host_ms": q.draft_host_ms,
+                     "error_linear": lin.pred_speedup.iloc[0] / r.speedup - 1,
                      "pred_serial_speedup": serial,
                      "bracketed": bool(serial <= r.speedup <= q.pred_speedup)
                      if pd.notna(q.draft_host_ms) else None})
@@ -392,9 +425,14 @@ def report(run_dir: Path, rates=PUBLISHED_EAGLE31, layers: int = PRODUCTION_LAYE
         worst = val.error.abs().max()
         lines += ["## Predicted vs measured", "",
                   ("Prediction from the plain step at B(k+1) rows, the drafter's measured time "
-                  f"and the point's measured acceptance; largest |error| {worst:.1%}."), "",
+                  f"and the point's measured acceptance; largest |error| {worst:.1%} "
+                  f"({val.error_linear.abs().max():.1%} with the plain step linear in n, "
+                  "`error_linear`)."), "",
                   _md(val, [*CONFIG, "B", "k", "step_ms", "pred_step_ms", "verify_ms",
-                            "draft_ms", "speedup", "pred_speedup", "error"]), ""]
+                            "draft_ms", "speedup", "pred_speedup", "error", "error_linear"]),
+                  "", (f"T_plain(n) is linear in E(n) = {MOE[0]}(1 - (1 - {MOE[1]}/{MOE[0]})^n), "
+                       "the routed experts n tokens read per MoE layer, between the measured "
+                       "plain batch sizes (`predict.plain_at`)."), ""]
         if val.draft_host_ms.notna().any():
             lines += [("With the drafter's host time serial to the verify step (the bound for "
                        "a drafter whose launches the GPU waits for): `bracketed` says whether "

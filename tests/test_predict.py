@@ -294,3 +294,29 @@ def test_the_drafter_is_read_between_measured_k():
     assert predict.drafter_at(d, 4, "draft_ms") == pytest.approx(t_draft(4, 1))
     assert np.isnan(predict.drafter_at(d, 6, "draft_ms"))
     assert np.isnan(predict.drafter_at(d.iloc[:0], 1, "draft_ms"))
+
+
+def test_the_committed_drafter_graphs_run_is_exact_and_predicted_within_five_percent():
+    """The H200 run of 2026-12-04 (vLLM 0.26.0 + overlay 2.1.0, drafter in its CUDA graphs),
+    re-read from its files: every pass exact, k = 3 at B = 1 faster than plain with its
+    interval above 1.3, every predicted point within 5%; a pass with one counter off by one
+    is not exact (the control)."""
+    from pathlib import Path
+
+    from speclab import gpubench, store
+
+    run = Path(__file__).resolve().parents[1] / "data/runs/h200-realshape-20261204-vllm026-graphs"
+    passes = [r for r in store.read_jsonl(run / "results.jsonl") if r["op"] == "pass"]
+    assert len(passes) == 88 and all(map(gpubench.pass_exact, passes))
+    assert {r["engine"] for r in passes if r["k"]} >= {"L4-k3-graphs", "L32-k1-graphs",
+                                                       "L32-k3-graphs", "L32-k5-graphs"}
+    res = predict.load(run)
+    c = predict.step_costs(res)
+    k3 = c[(c.layers == 32) & (c.k == 3) & (c.B == 1)].iloc[0]
+    assert k3.rounds == 5 and k3.speedup_lo > 1.3
+    v = predict.validate(res).dropna(subset=["error"])
+    assert len(v) == 5 and v.error.abs().max() < 0.05
+    bad = {**passes[-1], "counters": {**passes[-1]["counters"]}}
+    bad["counters"]["accepted_per_pos"] = [bad["counters"]["accepted_per_pos"][0] - 1,
+                                           *bad["counters"]["accepted_per_pos"][1:]]
+    assert passes[-1]["k"] and not gpubench.pass_exact(bad)

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -356,3 +357,23 @@ def test_a_failed_warm_up_does_not_stop_the_driver(tmp_path, fake_pair):
     assert "mHC warm-up: exit codes [1, 1]" in log  # the stand-in vLLM has no mHC kernels
     assert "No module named" in (state / "logs" / "warm0.log").read_text()
     assert len(store.read_jsonl(state / "results.jsonl")) > 0
+
+
+def test_a_cold_jit_engine_starts_alone_with_an_empty_home(tmp_path, fake_pair, monkeypatch):
+    """`jit-cold`: the cold engine runs in a group of its own with HOME an empty folder of
+    the state (no JIT cache), the warm one with the driver's HOME."""
+    cold, warm = G.PLANS["jit-cold"]()
+    assert [[e.name for e in g] for g in G.pack_groups([cold, warm], {4: 17.0}, 130.0, 2.5)] \
+        == [["L4-k3-graphs-coldjit"], ["L4-k3-graphs"]]
+    assert len(G.pack_groups([warm, replace(warm, k=1)], {4: 17.0}, 130.0, 2.5)) == 1
+    seen = []
+    from speclab import launch
+
+    monkeypatch.setattr(launch, "start", lambda cmd, fh, env, **kw: seen.append(env["HOME"]) or
+                        subprocess.Popen(["true"], stdin=subprocess.PIPE, text=True))
+    (tmp_path / "state" / "coldhome" / cold.name).mkdir(parents=True)
+    (tmp_path / "state" / "coldhome" / cold.name / "stale").write_text("x")
+    for e in (cold, warm):
+        G.start_worker(e, {}, tmp_path / "state").proc.wait()
+    assert seen == [str(tmp_path / "state" / "coldhome" / cold.name), os.environ["HOME"]]
+    assert not any((tmp_path / "state" / "coldhome" / cold.name).iterdir())

@@ -30,6 +30,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -65,12 +66,14 @@ class Engine:
     draft_eager: bool = False  # speculative_config.enforce_eager: drafter eager, target graphs
     fa_splits: int | None = None  # attention_config.flash_attn_max_num_splits_for_cuda_graph
     gate: tuple[str, bool] | None = None  # run only once (engine, exact) holds: `gate_open`
+    cold_jit: bool = False  # HOME an empty folder: no Triton/TileLang/DeepGEMM/vLLM cache
 
     @property
     def name(self) -> str:
         tag = "" if self.draft_kv_group == 4 else f"-kvg{self.draft_kv_group}"
         tag += "-drafteager" if self.draft_eager else ""
         tag += "" if self.fa_splits is None else f"-fasplits{self.fa_splits}"
+        tag += "-coldjit" if self.cold_jit else ""
         return f"L{self.layers}-k{self.k}-{'eager' if self.eager else 'graphs'}{tag}"
 
     @property
@@ -201,6 +204,12 @@ def deep_rest_plan(layers: int = 32) -> list[Engine]:
             *(Engine(layers, k, batches=(1, 4, 16)) for k in (2, 4))]
 
 
+def jit_cold_plan() -> list[Engine]:
+    """What the carried JIT caches save: k = 3 at 4 layers, B = 1, started with no cache (its
+    own empty HOME) and then with the carried ones; compare `engine_init_s` and round 0."""
+    return [Engine(4, 3, batches=(1,), cold_jit=True), Engine(4, 3, batches=(1,))]
+
+
 def pass_exact(row: dict) -> bool:
     """A pass whose every output is the target's greedy and whose counters are the oracle's."""
     exp = row.get("expected")
@@ -227,7 +236,7 @@ PLANS = {**{f"timing-{v}": (lambda v=v: timing_plan(v)) for v in DRAFT_VARIANTS}
          "breaks-check": breaks_check_plan, "breaks-then-fit": breaks_then_fit_plan,
          **{f"timing-deep-k{k}": (lambda k=k: [Engine(32, k, batches=(1, 16))])
             for k in range(1, 6)},
-         "timing-deep-rest": deep_rest_plan,
+         "timing-deep-rest": deep_rest_plan, "jit-cold": jit_cold_plan,
          "oracle-diag": oracle_diag_plan,
          "smoke": lambda: [Engine(4, 0, batches=(1,), extra_batches=(4,)),
                            Engine(4, 3, batches=(1,))],
@@ -525,6 +534,11 @@ def start_worker(eng: Engine, args: dict, state: Path) -> Worker:
     spec = {"args": args, "k": eng.k, "timing_dir": str(timing), "log_path": str(log_path),
             "parent_pid": os.getpid()}
     env = {**os.environ, "SPECLAB_STEP_TIMING": str(timing), "PYTHONUNBUFFERED": "1"}
+    if eng.cold_jit:  # every JIT cache lives under HOME (tools/gpu/jit.sh): start from none
+        home = state / "coldhome" / eng.name
+        shutil.rmtree(home, ignore_errors=True)
+        home.mkdir(parents=True)
+        env["HOME"] = str(home)
     with open(log_path, "a") as fh:
         proc = launch.start([sys.executable, "-m", "speclab.gpubench", "worker",
                              json.dumps(spec), str(w)], fh, env, stdin=subprocess.PIPE,
@@ -544,12 +558,13 @@ def gpu_memory() -> tuple[float, float]:
 def pack_groups(plan: list[Engine], weights_gib: dict[int, float], capacity_gib: float,
                 overhead_gib: float) -> list[list[Engine]]:
     """Consecutive engines of one layer count that fit `capacity_gib` together (at least
-    one engine a group)."""
+    one engine a group); an engine that starts without JIT caches compiles on every core, so
+    it runs alone."""
     need = lambda e: weights_gib[e.layers] + e.kv_bytes / GIB + overhead_gib
     groups: list[list[Engine]] = []
     for e in plan:
         g = groups[-1] if groups else None
-        if g and g[0].layers == e.layers and \
+        if g and g[0].layers == e.layers and not (e.cold_jit or g[0].cold_jit) and \
                 sum(map(need, g)) + need(e) <= capacity_gib:
             g.append(e)
         else:

@@ -377,3 +377,30 @@ def test_a_cold_jit_engine_starts_alone_with_an_empty_home(tmp_path, fake_pair, 
         G.start_worker(e, {}, tmp_path / "state").proc.wait()
     assert seen == [str(tmp_path / "state" / "coldhome" / cold.name), os.environ["HOME"]]
     assert not any((tmp_path / "state" / "coldhome" / cold.name).iterdir())
+
+
+@pytest.mark.parametrize("rejects", [False, True])
+def test_serve_engines_time_passes_behind_an_http_server(tmp_path, fake_pair, monkeypatch,
+                                                         rejects):
+    """`serve-smoke` through a fake `vllm serve` (token-id prompts, streaming, /metrics): each
+    serve pass checks outputs and counters like an offline one and lands in `predict`'s serve
+    table; a server whose graphed drafter accepts nothing (the control) is flagged."""
+    from speclab import predict
+
+    monkeypatch.setenv("FAKE_VLLM_GRAPHED_DRAFT_REJECTS", "1" if rejects else "0")
+    state = tmp_path / "state"
+    assert G.drive(state, time.time() + 300, "serve-smoke", 1, paths=fake_pair, tokens=64) == 0
+    rows = store.read_jsonl(state / "results.jsonl")
+    assert {(r["engine"], r["op"], r["round"], r["B"]) for r in rows} == {
+        (e, "serve", r, B) for e in ("L4-k0-graphs-serve", "L4-k3-graphs-serve")
+        for r in (0, 1) for B in (1, 4)}
+    assert all(r["outputs_exact"] == r["B"] and r["output_tokens"] == 64 * r["B"] for r in rows)
+    spec = [r for r in rows if r["k"]]
+    assert all(G.pass_exact(r) for r in spec) is not rejects
+    eng = store.read_jsonl(state / "engines.jsonl")
+    assert all(e["vllm"] == "0.0-fake" and any("MARLIN" in f for f in e["log_facts"])
+               for e in eng)
+    served = predict.serve_costs(predict.load(state))
+    assert set(zip(served.k, served.B)) == {(0, 1), (0, 4), (3, 1), (3, 4)}
+    assert served[served.k == 3].speedup.notna().all()
+    assert predict.step_costs(predict.load(state)).empty  # no offline pass among them

@@ -67,6 +67,7 @@ class Engine:
     fa_splits: int | None = None  # attention_config.flash_attn_max_num_splits_for_cuda_graph
     gate: tuple[str, bool] | None = None  # run only once (engine, exact) holds: `gate_open`
     cold_jit: bool = False  # HOME an empty folder: no Triton/TileLang/DeepGEMM/vLLM cache
+    serve: bool = False  # behind `vllm serve`: B requests at once over HTTP (`serve_worker`)
 
     @property
     def name(self) -> str:
@@ -74,6 +75,7 @@ class Engine:
         tag += "-drafteager" if self.draft_eager else ""
         tag += "" if self.fa_splits is None else f"-fasplits{self.fa_splits}"
         tag += "-coldjit" if self.cold_jit else ""
+        tag += "-serve" if self.serve else ""
         return f"L{self.layers}-k{self.k}-{'eager' if self.eager else 'graphs'}{tag}"
 
     @property
@@ -237,6 +239,10 @@ PLANS = {**{f"timing-{v}": (lambda v=v: timing_plan(v)) for v in DRAFT_VARIANTS}
          **{f"timing-deep-k{k}": (lambda k=k: [Engine(32, k, batches=(1, 16))])
             for k in range(1, 6)},
          "timing-deep-rest": deep_rest_plan, "jit-cold": jit_cold_plan,
+         "serve-deep": lambda: [Engine(32, 0, batches=(1, 16), serve=True),
+                                Engine(32, 3, batches=(1, 16), serve=True)],
+         "serve-smoke": lambda: [Engine(4, 0, batches=(1, 4), serve=True),
+                                 Engine(4, 3, batches=(1, 4), serve=True)],
          "oracle-diag": oracle_diag_plan,
          "smoke": lambda: [Engine(4, 0, batches=(1,), extra_batches=(4,)),
                            Engine(4, 3, batches=(1,))],
@@ -328,6 +334,8 @@ def worker(spec: dict, out_fd: int) -> int:
     def say(msg: dict) -> None:
         out.write(json.dumps(msg) + "\n")
 
+    if spec.get("serve"):
+        return serve_worker(spec, say)
     t0 = time.perf_counter()
     import vllm
     from vllm import LLM, SamplingParams
@@ -353,15 +361,6 @@ def worker(spec: dict, out_fd: int) -> int:
 
     log_path = Path(spec.get("log_path", os.devnull))
 
-    def jit_since(offset: int) -> list[str]:
-        """Kernels compiled while serving since `offset`: vLLM's jit_monitor warnings (once
-        per kernel name) and TileLang's own compile lines (every variant: on 0.26 the mHC
-        kernels compile again for each new split count, 13-60 s, without a new warning)."""
-        with open(log_path, "rb") as fh:
-            fh.seek(offset)
-            text = fh.read().decode(errors="replace")
-        return sorted(set(JIT_LINE.findall(text)))
-
     for line in sys.stdin:
         cmd = json.loads(line)
         if cmd["op"] == "stop":
@@ -375,7 +374,7 @@ def worker(spec: dict, out_fd: int) -> int:
             exact = sum(list(o.outputs[0].token_ids) == realshape.greedy(succ, p, n)
                         for o, p in zip(outs, prompts))
             msg = {"op": "pass", "t_prefill_s": t1, "t_full_s": tn, "counters": c,
-                   "outputs_exact": exact, "jit_compiled": jit_since(offset),
+                   "outputs_exact": exact, "jit_compiled": jit_since(log_path, offset),
                    "prompt_tokens": sum(map(len, prompts)),
                    "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs)}
             if k:
@@ -389,7 +388,80 @@ def worker(spec: dict, out_fd: int) -> int:
             gen(prompts[:1], 2)  # the next drafter call writes the recorded events out
             calls = steptiming.read(timing)[before:]
             say({"op": "split", "t_full_s": tn, "counters": c, "calls": calls})
+        else:  # the driver would wait for an answer that never comes
+            raise ValueError(f"an offline engine has no op {cmd['op']!r}")
     return 0
+
+
+def serve_log(log_path: Path) -> Path:
+    """Where a serve engine's `vllm serve` writes (beside the worker's own log)."""
+    return log_path.with_suffix(".serve.log")
+
+
+def serve_worker(spec: dict, say) -> int:
+    """`worker` behind `vllm serve` (the engine's `LLM` arguments as its flags,
+    `speclab.server`): each `serve` command sends the pass's B prompts at once to
+    /v1/completions as token ids, first with `max_tokens` 1 (prefill), then with `tokens`,
+    and reads the spec-decode counters from /metrics around the full pass."""
+    from statistics import median
+
+    from speclab import prompts as P
+    from speclab import server
+    from speclab.fixtures import realshape
+
+    log_path = serve_log(Path(spec["log_path"]))
+    succ = realshape.successors(spec["args"]["model"])
+    k = spec["k"]
+    t0 = time.perf_counter()
+    with server.running_server(spec["args"], {}, log_path) as url:
+        import httpx
+
+        version = httpx.get(f"{url}/version", timeout=10).json().get("version")
+        say({"op": "ready", "engine_init_s": round(time.perf_counter() - t0, 1),
+             "vllm": version, "resolved": {"serve": url}})
+
+        def gen(ids, n):
+            reqs = [server.request_body(P.Prompt(id=str(i), category="realshape",
+                                                 prompt_token_ids=tuple(p)), "raw", n, 0.0, True)
+                    for i, p in enumerate(ids)]
+            c0, g0 = server.scrape(url), time.perf_counter()
+            out = server.run_async(server.drive(url, reqs, concurrency=len(reqs)))
+            dt = time.perf_counter() - g0
+            return dt, out, (server.scrape(url) - c0).to_dict()
+
+        for line in sys.stdin:
+            cmd = json.loads(line)
+            if cmd["op"] == "stop":
+                break
+            if cmd["op"] != "serve":
+                raise ValueError(f"a serve engine has no op {cmd['op']!r}")
+            offset = log_path.stat().st_size
+            B, n = cmd["B"], cmd.get("tokens", MAX_TOKENS)
+            ids = batch_prompts(B, cmd["seed"], k, n)
+            t1, _, _ = gen(ids, 1)
+            tn, outs, c = gen(ids, n)
+            msg = {"op": "serve", "t_prefill_s": t1, "t_full_s": tn, "counters": c,
+                   "outputs_exact": sum(o["output_token_ids"] == realshape.greedy(succ, p, n)
+                                        for o, p in zip(outs, ids)),
+                   "jit_compiled": jit_since(log_path, offset),
+                   "prompt_tokens": sum(map(len, ids)),
+                   "output_tokens": sum(o["n_output"] for o in outs),
+                   "ttft_s": median(o["ttft_s"] for o in outs),
+                   "tpot_s": median(o["tpot_s"] for o in outs if o["tpot_s"] is not None)}
+            if k:
+                msg["expected"] = realshape.expected_counters(succ, ids, k, n)
+            say(msg)
+    return 0
+
+
+def jit_since(log_path: Path, offset: int) -> list[str]:
+    """Kernels compiled while serving since `offset` of the engine's log: vLLM's jit_monitor
+    warnings (once per kernel name) and TileLang's own compile lines (every variant: on 0.26
+    the mHC kernels compile again for each new split count, 13-60 s, without a new
+    warning)."""
+    with open(log_path, "rb") as fh:
+        fh.seek(offset)
+        return sorted(set(JIT_LINE.findall(fh.read().decode(errors="replace"))))
 
 
 # --------------------------------------------------------------------------- mHC warm-up
@@ -532,7 +604,7 @@ def start_worker(eng: Engine, args: dict, state: Path) -> Worker:
     from speclab import launch
 
     spec = {"args": args, "k": eng.k, "timing_dir": str(timing), "log_path": str(log_path),
-            "parent_pid": os.getpid()}
+            "parent_pid": os.getpid(), "serve": eng.serve}
     env = {**os.environ, "SPECLAB_STEP_TIMING": str(timing), "PYTHONUNBUFFERED": "1"}
     if eng.cold_jit:  # every JIT cache lives under HOME (tools/gpu/jit.sh): start from none
         home = state / "coldhome" / eng.name
@@ -652,9 +724,11 @@ def _drive(state: Path, deadline: float, plan_name: str, rounds: int, paths, fh,
     LOG.info(f"GPU {total:.1f} GiB ({used:.1f} used); weights GiB {weights}")
 
     def todo(e: Engine) -> list[tuple]:
-        items = [("pass", r, B) for r in range(rounds + 1) for B in e.batches]
-        items += [("pass", r, B) for r in range(EXTRA_ROUNDS + 1) for B in e.extra_batches]
-        items += [("split", 0, B) for B in e.batches]  # plain too: its step's anatomy
+        op = "serve" if e.serve else "pass"
+        items = [(op, r, B) for r in range(rounds + 1) for B in e.batches]
+        items += [(op, r, B) for r in range(EXTRA_ROUNDS + 1) for B in e.extra_batches]
+        if not e.serve:  # the step-timing plugin sees the offline engine core only
+            items += [("split", 0, B) for B in e.batches]  # plain too: its step's anatomy
         return [i for i in items if (e.name, *i) not in done]
 
     failures: dict[str, int] = {}
@@ -692,7 +766,8 @@ def _drive(state: Path, deadline: float, plan_name: str, rounds: int, paths, fh,
                 time.sleep(START_GAP_S)  # memory checks and weight loads a little apart
             for w in workers:
                 w.ready = w.read(max(30, deadline - time.time()))
-                facts = log_facts(w.log_path.read_text(errors="replace"))
+                facts = log_facts("".join(f.read_text(errors="replace") for f in
+                                          (w.log_path, serve_log(w.log_path)) if f.exists()))
                 row = {"engine": w.eng.name, **asdict(w.eng), **w.ready, "log_facts": facts,
                        "gpu_used_gib": gpu_memory()[1]}
                 store.append_jsonl(engines_file, row)

@@ -86,7 +86,7 @@ def passes(results: pd.DataFrame, max_tokens: int = 128) -> pd.DataFrame:
     (a compile the log did not name)."""
     df = _once(results[(results.op == "pass") & (results["round"] >= 1)]).copy()
     if "jit_compiled" in df:  # a kernel compiled while the pass ran: not a clean timing
-        df = df[df.jit_compiled.map(lambda j: not (isinstance(j, list) and j))]
+        df = df[df.jit_compiled.map(lambda j: not (isinstance(j, list) and j)).astype(bool)]
     df["decode_s"] = df.t_full_s - df.t_prefill_s
     df = df[df.decode_s > 0]
     for col in ("t_prefill_s", "t_full_s"):
@@ -189,6 +189,16 @@ def step_anatomy(results: pd.DataFrame) -> pd.DataFrame:
 
 
 # --------------------------------------------------------------------------- the model
+def serve_costs(results: pd.DataFrame, max_tokens: int = 128) -> pd.DataFrame:
+    """`step_costs` of the passes behind `vllm serve` (gpubench `serve` engines: B requests
+    at once over HTTP), each speculative engine against the plain serve engine of its depth;
+    empty when none ran."""
+    if "op" not in results or not (results.op == "serve").any():
+        return pd.DataFrame()
+    served = results[results.op == "serve"].assign(op="pass")
+    return step_costs(served, max_tokens)
+
+
 def plain_curve(costs: pd.DataFrame, layers: int, eager: bool) -> pd.Series:
     """Plain step ms by batch size n for one engine configuration, sorted."""
     c = costs[(costs.layers == layers) & (costs.eager == eager) & (costs.k == 0)]
@@ -440,6 +450,15 @@ def report(run_dir: Path, rates=PUBLISHED_EAGLE31, layers: int = PRODUCTION_LAYE
                       _md(val[val.draft_host_ms.notna()],
                           [*CONFIG, "B", "k", "draft_ms", "draft_host_ms", "speedup",
                            "pred_serial_speedup", "pred_speedup", "bracketed"]), ""]
+    served = serve_costs(res)
+    if len(served):
+        lines += ["## Behind `vllm serve`", "",
+                  ("The same passes sent as B concurrent requests to `/v1/completions` (token "
+                   "ids, streaming), plain and speculative servers each on its own; speedup "
+                   "against the plain server at the same concurrency B."), "",
+                  _md(served.sort_values(["layers", "B", "k"]),
+                      ["layers", "B", "k", "al", "step_ms", "tok_s", "tok_s_lo", "tok_s_hi",
+                       "speedup", "speedup_lo", "speedup_hi", "rounds"]), ""]
     anatomy = step_anatomy(res)
     if len(anatomy):
         cols = [*CONFIG, "k", "B", *(f"{op}_{t}" for op in ("execute", "sample", "propose")

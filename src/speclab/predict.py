@@ -323,10 +323,10 @@ def extrapolate(costs: pd.DataFrame, drafts: pd.DataFrame, rates, layers: int =
     a line through it says nothing about `layers` (ValueError when no batch size resolves).
     Returns {"fit": rows of (n, a, b, resolved), "prediction": rows like `predict`}."""
     plain = costs[(costs.k == 0) & (costs.eager == eager)]
-    Ls = sorted(plain.layers.unique())
+    Ls = sorted(int(x) for x in plain.layers.unique())
     if len(Ls) < 2:
         raise ValueError("extrapolation needs plain steps at two layer counts; have "
-                         f"{[int(x) for x in Ls]}")
+                         f"{Ls}")
     fit, synth = [], []
     for n, g in plain.groupby("B"):
         if g.layers.nunique() < 2:
@@ -340,7 +340,7 @@ def extrapolate(costs: pd.DataFrame, drafts: pd.DataFrame, rates, layers: int =
                           "step_ms": a + b * layers})
     if not synth:
         raise ValueError(f"the plain step does not grow beyond its 95% interval from "
-                         f"{int(Ls[0])} to {int(Ls[-1])} layers at any batch size (host-bound "
+                         f"{Ls[0]} to {Ls[-1]} layers at any batch size (host-bound "
                          f"steps): a line through them says nothing about {layers} layers")
     deepest = max(drafts[drafts.eager == eager].layers, default=Ls[-1])
     d = drafts[(drafts.layers == deepest) & (drafts.eager == eager)].assign(layers=layers)

@@ -72,13 +72,14 @@ def local_config(ref: str | None) -> dict | None:
         return None
     path = None
     if ref.startswith("fixture:"):
+        name = ref.split(":", 1)[1]
         try:
             from speclab import fixtures
-        except ImportError:  # the fixtures package needs torch: without it, none is read
+
+            if name in fixtures.FIXTURES:
+                path = fixtures.fixture_dir(name) / "config.json"
+        except ImportError:  # the fixture registry needs torch: without it, none is read
             return None
-        name = ref.split(":", 1)[1]
-        if name in fixtures.FIXTURES:
-            path = fixtures.fixture_dir(name) / "config.json"
     elif Path(ref).expanduser().exists():
         path = Path(ref).expanduser() / "config.json"
     else:

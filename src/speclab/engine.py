@@ -6,10 +6,12 @@ Import this module freely; vLLM is imported only inside the functions that need 
 from __future__ import annotations
 
 import gc
+import importlib.util
 import os
 import platform
 import sys
 import time
+import types
 from contextlib import contextmanager
 from functools import cache
 from importlib.metadata import PackageNotFoundError, version
@@ -138,6 +140,32 @@ def versions() -> dict[str, str | None]:
     return out
 
 
+IRI_GRAMMAR = "rfc3987_syntax"
+
+
+def _defer_iri_grammar() -> None:
+    """vLLM imports Ray, Ray imports jsonschema, and jsonschema takes its "iri" format check
+    from `rfc3987_syntax`, whose import builds an Earley grammar (~2 s a process): unless it
+    is imported already, a stand-in module imports it on the check's first use."""
+    if IRI_GRAMMAR in sys.modules or importlib.util.find_spec(IRI_GRAMMAR) is None:
+        return
+
+    def real() -> types.ModuleType:
+        if sys.modules.get(IRI_GRAMMAR) is stub:
+            del sys.modules[IRI_GRAMMAR]
+        return importlib.import_module(IRI_GRAMMAR)
+
+    stub = types.ModuleType(IRI_GRAMMAR, "Stand-in: imports the real module on first use.")
+    stub.is_valid_syntax = lambda term, value: real().is_valid_syntax(term, value)
+    def attr(name: str):  # dunders answer for the stub (the import system asks __path__)
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(real(), name)
+
+    stub.__getattr__ = attr
+    sys.modules[IRI_GRAMMAR] = stub
+
+
 @contextmanager
 def open_llm(args: dict[str, Any]) -> Iterator[Any]:
     """A `vllm.LLM` that is shut down and freed (GPU memory included) on exit.
@@ -146,6 +174,7 @@ def open_llm(args: dict[str, Any]) -> Iterator[Any]:
     collections vLLM makes while it loads skip it; vLLM freezes its own heap once up and
     unfreezes everything at shutdown) and cyclic collection is turned on (a child has it off
     while it imports, `launch.child_main`)."""
+    _defer_iri_grammar()
     from vllm import LLM
 
     gc.freeze()

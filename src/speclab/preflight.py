@@ -78,13 +78,14 @@ def memory_problems(estimates) -> list[str]:
 
 def _model_problem(ref: str) -> str | None:
     if ref.startswith("fixture:"):
+        name = ref.split(":", 1)[1]
         try:
             from speclab import fixtures
+
+            known = name in fixtures.FIXTURES  # the registry imports the builders
         except ImportError as e:  # fixtures are built with torch
             return f"{ref}: cannot be built here ({e}; pip install '.[cpu]')"
-
-        name = ref.split(":", 1)[1]
-        return None if name in fixtures.FIXTURES else f"unknown fixture {name!r}"
+        return None if known else f"unknown fixture {name!r}"
     p = Path(ref).expanduser()
     if p.exists():
         return None if (p / "config.json").exists() else f"{ref}: no config.json"

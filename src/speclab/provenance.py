@@ -115,13 +115,14 @@ def rendering(prof, profile_path: Path, notebook_files, params: dict, timings: d
     hashes = {_rel(p): file_sha256(p) for p in inputs if Path(p).exists()}
     for ref in filter(None, (prof.target, prof.draft)):
         if ref.startswith("fixture:"):
+            name = ref.split(":", 1)[1]
             try:
                 from speclab import fixtures
+
+                meta = fixtures.fixture_dir(name) / "speclab_fixture.json" \
+                    if name in fixtures.FIXTURES else None
             except ImportError:  # re-rendering without torch: no fixture to hash
                 break
-            name = ref.split(":", 1)[1]
-            meta = fixtures.fixture_dir(name) / "speclab_fixture.json" \
-                if name in fixtures.FIXTURES else None
             if meta is not None and meta.exists():
                 hashes[ref] = file_sha256(meta)
     return {

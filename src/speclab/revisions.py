@@ -36,12 +36,13 @@ def _folder(ref: str, revision: str | None) -> Path | None:
     """Where a model's files are on this machine (a folder, a built fixture, a cache
     snapshot), without building or downloading anything."""
     if ref.startswith("fixture:"):
+        name = ref.split(":", 1)[1]
         try:
             from speclab import fixtures
+
+            return fixtures.fixture_dir(name) if name in fixtures.FIXTURES else None
         except ImportError:
             return None
-        name = ref.split(":", 1)[1]
-        return fixtures.fixture_dir(name) if name in fixtures.FIXTURES else None
     if Path(ref).expanduser().is_dir():
         return Path(ref).expanduser()
     return _snapshot(ref, revision) if ref.count("/") == 1 else None

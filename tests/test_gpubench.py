@@ -379,24 +379,26 @@ def test_a_cold_jit_engine_starts_alone_with_an_empty_home(tmp_path, fake_pair, 
     assert not any((tmp_path / "state" / "coldhome" / cold.name).iterdir())
 
 
-@pytest.mark.parametrize("rejects", [False, True])
-def test_serve_engines_time_passes_behind_an_http_server(tmp_path, fake_pair, monkeypatch,
-                                                         rejects):
-    """`serve-smoke` through a fake `vllm serve` (token-id prompts, streaming, /metrics): each
-    serve pass checks outputs and counters like an offline one and lands in `predict`'s serve
-    table; a server whose graphed drafter accepts nothing (the control) is flagged."""
+def test_serve_engines_time_passes_behind_an_http_server(tmp_path, fake_pair, monkeypatch):
+    """`serve-smoke`'s engines, and the same k = 3 with the drafter eager, through a fake
+    `vllm serve` (token-id prompts, streaming, /metrics) whose graphed drafter accepts
+    nothing: each serve pass checks outputs and counters like an offline one (the graphed
+    server is flagged: the control) and lands in `predict`'s serve table."""
     from speclab import predict
 
-    monkeypatch.setenv("FAKE_VLLM_GRAPHED_DRAFT_REJECTS", "1" if rejects else "0")
+    monkeypatch.setenv("FAKE_VLLM_GRAPHED_DRAFT_REJECTS", "1")
+    plain, graphed = G.PLANS["serve-smoke"]()
+    monkeypatch.setitem(G.PLANS, "serve-test",
+                        lambda: [plain, graphed, replace(graphed, draft_eager=True)])
     state = tmp_path / "state"
-    assert G.drive(state, time.time() + 300, "serve-smoke", 1, paths=fake_pair, tokens=64) == 0
+    assert G.drive(state, time.time() + 300, "serve-test", 1, paths=fake_pair, tokens=64) == 0
     rows = store.read_jsonl(state / "results.jsonl")
+    names = ("L4-k0-graphs-serve", "L4-k3-graphs-serve", "L4-k3-graphs-drafteager-serve")
     assert {(r["engine"], r["op"], r["round"], r["B"]) for r in rows} == {
-        (e, "serve", r, B) for e in ("L4-k0-graphs-serve", "L4-k3-graphs-serve")
-        for r in (0, 1) for B in (1, 4)}
+        (e, "serve", r, B) for e in names for r in (0, 1) for B in (1, 4)}
     assert all(r["outputs_exact"] == r["B"] and r["output_tokens"] == 64 * r["B"] for r in rows)
-    spec = [r for r in rows if r["k"]]
-    assert all(G.pass_exact(r) for r in spec) is not rejects
+    exact = {e: all(G.pass_exact(r) for r in rows if r["engine"] == e) for e in names}
+    assert exact == {names[0]: True, names[1]: False, names[2]: True}
     eng = store.read_jsonl(state / "engines.jsonl")
     assert all(e["vllm"] == "0.0-fake" and any("MARLIN" in f for f in e["log_facts"])
                for e in eng)

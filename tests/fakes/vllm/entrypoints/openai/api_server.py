@@ -5,6 +5,7 @@ realshape.expected_counters (FAKE_VLLM_GRAPHED_DRAFT_REJECTS=1 as in the fake LL
 import argparse
 import json
 import os
+import signal
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -80,6 +81,8 @@ def main(argv=None):
             self.wfile.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode())
             self.wfile.write(b"data: [DONE]\n\n")
 
+    for sig in (signal.SIGINT, signal.SIGTERM):  # a job started with `&` inherits SIGINT ignored
+        signal.signal(sig, lambda *_: os._exit(0))
     ThreadingHTTPServer((a.host, a.port), H).serve_forever()
 
 

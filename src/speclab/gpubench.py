@@ -212,11 +212,15 @@ def jit_cold_plan() -> list[Engine]:
     return [Engine(4, 3, batches=(1,), cold_jit=True), Engine(4, 3, batches=(1,))]
 
 
+def counters_exact(row: dict) -> bool:
+    """The pass's acceptance counters are the oracle's expectation (plain: nothing expected)."""
+    exp = row.get("expected")
+    return exp is None or exp["accepted_per_pos"] == row["counters"].get("accepted_per_pos")
+
+
 def pass_exact(row: dict) -> bool:
     """A pass whose every output is the target's greedy and whose counters are the oracle's."""
-    exp = row.get("expected")
-    return row["outputs_exact"] == row["B"] and (
-        exp is None or exp["accepted_per_pos"] == row["counters"].get("accepted_per_pos"))
+    return row["outputs_exact"] == row["B"] and counters_exact(row)
 
 
 def gate_open(e: Engine, rows: list[dict], pending: set[str]) -> bool | None:
@@ -794,13 +798,10 @@ def _drive(state: Path, deadline: float, plan_name: str, rounds: int, paths, fh,
                     store.append_jsonl(results, row)
                     rows.append(row)
                     done.add((w.eng.name, op, r, B))
-                    exp = ans.get("expected")
-                    ok = exp is None or exp["accepted_per_pos"] == ans["counters"].get(
-                        "accepted_per_pos")
                     jit = ans.get("jit_compiled")
                     LOG.info(f"{w.eng.name} {op} r{r} B{B}: {ans.get('t_full_s', 0):.3f} s, "
                              f"exact {ans.get('outputs_exact', '-')}/{B}, counters "
-                             f"{'= expected' if ok else 'DIFFER from expected'}"
+                             f"{'= expected' if counters_exact(ans) else 'DIFFER from expected'}"
                              + (f", JIT during the pass: {jit}" if jit else ""))
         except (TimeoutError, RuntimeError) as err:
             LOG.info(f"stopped: {err}")

@@ -5,7 +5,7 @@
 #   bash tools/gpu/jit.sh save FILE       tar the caches into FILE (members relative to $HOME;
 #        lab.py and realshape.sh save through it; none there: no FILE)
 # load takes both layouts in use: members relative to $HOME (`save`, realshape.sh) and
-# absolute ones stored as root/... (lab.py's save_jit_cache tars /root/.triton/cache etc.).
+# absolute ones stored as root/... (what lab.py wrote before it saved through `save`).
 set -o pipefail
 cd "$(dirname "$0")/../.."
 DIRS=".triton .tilelang .deep_gemm .cache/tilelang .cache/vllm"

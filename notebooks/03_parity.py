@@ -40,7 +40,9 @@ execute = True
 arms = None
 # a near-tie threshold other than the profile's is a named re-analysis ("near_tie=X"),
 # shown beside the pre-registered one; so is every entry of `reanalyses`:
-# {name: {near_tie: nats, noise_floor: "max-flip" | nats, acceptance_tolerance: ...}}
+# {name: {near_tie: nats, noise_floor: "max-flip" | nats, acceptance_tolerance: ...,
+#         expected_from: "reference" | "plain-path"}}; a run folder holding
+# expected_plain_path.json (tools/expected_neartie.py --along) adds "plain-path expectation"
 near_tie = None
 reanalyses = {}
 # re-run the prefixes of divergences no plain pass saw through the plain engine (needs vLLM)
@@ -67,6 +69,8 @@ prof = notebook.profile_for(run_dir, profile, overrides, execute)
 prereg = parity.settings(prof)
 if near_tie is not None and near_tie != prereg.near_tie:
     reanalyses = {f"near_tie={near_tie:g}": {"near_tie": near_tie}, **reanalyses}
+if (Path(run_dir) / parity.PLAIN_PATH_FILE).exists():
+    reanalyses = {"plain-path expectation": {"expected_from": "plain-path"}, **reanalyses}
 plan = parity.plan(prof, arms if arms is not None else prof.parity.arms,
                    k_values=prof.parity.k_values, spec_k=prof.parity.spec_k)
 expected = parity.load_expected(REPO / prof.parity.expected if prof.parity.expected else None)
@@ -124,11 +128,14 @@ display(Markdown("\n".join(f"- {line}" for line in lines)))
 # ## Named re-analyses (beside the pre-registered one, never replacing it)
 
 # %%
-others = [parity.analyze(plan, recs, pts, parity.settings(prof, name, **dict(o)),
-                         rescored=rescored, expected=expected) for name, o in reanalyses.items()]
+settings = [parity.settings(prof, name, **dict(o)) for name, o in reanalyses.items()]
+others = [parity.analyze(plan, recs, pts, st, rescored=rescored,
+                         expected=parity.expected_for(st, expected, run_dir)) for st in settings]
 for a in others:
     display(Markdown(f"**{a.settings.describe()}**"))
-    display(a.summary[["arm", "status", "n", "exact", *parity.KIND_COLUMNS, "flagged"]]
+    cols = ["arm", "status", "n", "exact", *parity.KIND_COLUMNS, "acceptance_rate",
+            "expected_rate", "flagged_acceptance", "flagged"]
+    display(a.summary[[c for c in cols if c in a.summary]]
             if len(a.summary) and "n" in a.summary else a.summary)
 
 # %%

@@ -218,3 +218,61 @@ def test_detection_power_figure_draws_each_defect():
     assert len(ax.lines) == 3 and list(ax.lines[0].get_ydata()) == [0.0, 1.0]
     assert [t.get_text() for t in ax.get_xticklabels()] == ["0.05", "0.1"]
     assert plots.detection_power(pw[pw.defect == "aux-layers"], 0.05, 0.0) is None
+
+
+@pytest.fixture(scope="module")
+def dial_bigram(tmp_path_factory):
+    """The near-tie DeepSeek-V4 bigram (`neartie-dial-dsv4`, seed 0) in a temporary folder."""
+    d = tmp_path_factory.mktemp("neartie-dial-dsv4")
+    neartie.build_neartie_dial_dsv4(d, seed=0)
+    return d
+
+
+def test_counters_along_a_plain_path_follow_that_path(dial_bigram):
+    """Along the readout's own greedy path the counters are the reference's; a path that took
+    the runner-up once (a GPU's bf16 near-tie flip) gets other counters, and its tokens after
+    the flip follow the readout from the token it took."""
+    ids = [[5, 9, 17], [40, 41]]
+    ref = neartie.dial_reference(dial_bigram, ids, 24, (1, 3))
+    same = neartie.dial_counters_along(dial_bigram, ids, [p["output_token_ids"]
+                                                          for p in ref["prompts"]], 24, (1, 3))
+    assert same["counters"] == ref["counters"] and same["prompts"] == ref["prompts"]
+    p0 = ref["prompts"][0]
+    j = next(i for i, (tok, ru) in enumerate(zip(p0["output_token_ids"], p0["runner_up"]))
+             if ru == tok + 1 and i > 2)  # the readout counted up by 2 here: flip to + 1
+    flipped = p0["output_token_ids"][:j] + [p0["runner_up"][j]]
+    along = neartie.dial_counters_along(dial_bigram, ids, [flipped, None], 24, (1, 3))
+    out = along["prompts"][0]["output_token_ids"]
+    assert out[:j + 1] == flipped and out != p0["output_token_ids"]
+    assert along["counters"][3]["per_prompt"][0] != ref["counters"][3]["per_prompt"][0]
+    assert along["counters"][3]["per_prompt"][1] == ref["counters"][3]["per_prompt"][1]
+    with pytest.raises(ValueError, match="1 outputs for 2 prompts"):
+        neartie.dial_counters_along(dial_bigram, ids, [flipped], 24)
+
+
+def test_the_plain_path_expectation_is_a_reanalysis_read_from_the_run(tmp_path):
+    """`expected_from="plain-path"` reads the run's file; the pre-registered analysis keeps
+    the CPU reference; acceptance off by more than the tolerance flags only where it is."""
+    import json
+
+    prof = _profile(expected="unused.json")
+    arms = [a for a in parity.plan(prof, ["spec"], k_values=[3], spec_k=3) if a.role == "arm"]
+    arm = arms[0]
+    recs = pd.DataFrame([_rec(arm.ref.id, "p", [1, 2, 3]), _rec(arm.cand.id, "p", [1, 2, 3], k=3)])
+    pts = pd.DataFrame({"point_id": [arm.ref.id, arm.cand.id], "status": "ok", "output_tokens": 3,
+                        "counters.num_drafts": [0, 10], "counters.num_accepted_tokens": [0, 21]})
+    cpu = {"3": {"num_drafts": 10, "num_accepted_tokens": 18, "mean_acceptance_length": 2.8}}
+    (tmp_path / parity.PLAIN_PATH_FILE).write_text(json.dumps({"counters": {
+        "3": {"num_drafts": 10, "num_accepted_tokens": 21, "mean_acceptance_length": 3.1}}}))
+    pre = parity.settings(prof)
+    path = parity.settings(prof, "plain-path expectation", expected_from="plain-path")
+    assert parity.expected_for(pre, cpu, tmp_path) is cpu
+    a_pre = parity.analyze(arms, recs, pts, pre, expected=parity.expected_for(pre, cpu, tmp_path))
+    a_path = parity.analyze(arms, recs, pts, path,
+                            expected=parity.expected_for(path, cpu, tmp_path))
+    assert bool(a_pre.summary.flagged_acceptance.iloc[0])       # 0.70 vs 0.60
+    assert not bool(a_path.summary.flagged_acceptance.iloc[0])  # 0.70 vs 0.70
+    assert "plain greedy path" in path.describe() and "CPU reference" in pre.describe()
+    assert parity.expected_for(path, cpu, tmp_path / "elsewhere") is None
+    with pytest.raises(ValueError, match="expected_from 'gpu'"):
+        parity.settings(prof, "x", expected_from="gpu")

@@ -42,28 +42,41 @@ from speclab.profiles import Layout, Point, Profile
 from speclab.store import load_profile, load_results
 
 KINDS = ("near-tie", "within-noise", "substantive", "unscored")
+# expected counters along a run's own plain greedy path (tools/expected_neartie.py --along)
+PLAIN_PATH_FILE = "expected_plain_path.json"
+EXPECTED_FROM = ("reference", "plain-path")
 
 
 @dataclass(frozen=True)
 class Settings:
     """The pre-registered analysis: near-tie threshold (nats), noise-floor method ("max-flip"
     or a fixed value in nats), acceptance tolerance (absolute, acceptance rate), and the share
-    of a defect size's runs that must be flagged for it to count as detected."""
+    of a defect size's runs that must be flagged for it to count as detected. Acceptance is
+    compared with the profile's CPU reference (`expected_from="reference"`) or with the
+    counters expected along the run's own plain greedy path (`"plain-path"`,
+    `PLAIN_PATH_FILE` in the run folder)."""
 
     name: str = "pre-registered"
     near_tie: float = 0.05
     noise_floor: str | float = "max-flip"
     acceptance_tolerance: float = 0.01
     detect_share: float = 1.0
+    expected_from: str = "reference"
+
+    def __post_init__(self):
+        if self.expected_from not in EXPECTED_FROM:
+            raise ValueError(f"expected_from {self.expected_from!r}: one of {EXPECTED_FROM}")
 
     def describe(self) -> str:
         floor = (f"{self.noise_floor:g} nats (fixed)" if isinstance(self.noise_floor, float)
                  else "the largest margin at which two plain passes of the run diverged "
                       "(max-flip)")
+        ref = ("the CPU reference" if self.expected_from == "reference" else
+               f"the counters expected along this run's plain greedy path ({PLAIN_PATH_FILE})")
         return (f"{self.name}: near-tie below {self.near_tie:g} nats; noise floor {floor}; a "
                 f"divergence above both is SUBSTANTIVE and flags its arm; an arm whose "
-                f"acceptance rate is more than {self.acceptance_tolerance:g} from the CPU "
-                f"reference is flagged too; a defect size is detected when >= "
+                f"acceptance rate is more than {self.acceptance_tolerance:g} from {ref} is "
+                f"flagged too; a defect size is detected when >= "
                 f"{self.detect_share:.0%} of its runs are flagged")
 
 
@@ -407,6 +420,15 @@ def load_expected(path: Path | str | None) -> dict | None:
     if not path:
         return None
     return json.loads(Path(path).read_text())["counters"]
+
+
+def expected_for(st: Settings, reference: dict | None, run_dir: Path | str) -> dict | None:
+    """The expected counters analysis `st` compares acceptance with: the CPU reference, or
+    the run's plain-path file (None when the run has none: acceptance is then not judged)."""
+    if st.expected_from == "reference":
+        return reference
+    return load_expected(Path(run_dir) / PLAIN_PATH_FILE
+                         if (Path(run_dir) / PLAIN_PATH_FILE).exists() else None)
 
 
 def acceptance(points: pd.DataFrame, point_id: str, k: int, expected: dict | None) -> dict:

@@ -276,3 +276,57 @@ def test_the_plain_path_expectation_is_a_reanalysis_read_from_the_run(tmp_path):
     assert parity.expected_for(path, cpu, tmp_path / "elsewhere") is None
     with pytest.raises(ValueError, match="expected_from 'gpu'"):
         parity.settings(prof, "x", expected_from="gpu")
+
+
+H200_PARITY = "h200-dsv4-neartie-accept-20261204-vllm026"
+
+
+def _parity_jobs():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "tools/gpu/parity_jobs.py"
+    spec = importlib.util.spec_from_file_location("parity_jobs", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_the_device_rescore_job_rescores_only_what_no_plain_pass_saw(monkeypatch, capsys):
+    """The committed H200 run: every divergence (the controls') was seen by a plain pass, so
+    nothing goes to the engine; a divergence left unscored is sent to multipass.rescore."""
+    jobs = _parity_jobs()
+    sent = []
+    monkeypatch.setattr(multipass, "rescore", lambda prof, run_dir, todo: sent.append(todo))
+    assert jobs.rescore("tiny-dsv4-neartie-accept-h200", H200_PARITY) == 0
+    assert sent == [] and "no divergence to rescore" in capsys.readouterr().out
+    todo = pd.DataFrame({"prompt_id": ["len16-0"], "position": [3], "prefix": [[1, 2, 3]]})
+    monkeypatch.setattr(parity, "rescore_requests", lambda cmp: todo)
+    assert jobs.rescore("tiny-dsv4-neartie-accept-h200", H200_PARITY) == 0
+    assert len(sent) == 1 and sent[0] is todo
+
+
+def test_the_h200_parity_run_reads_as_committed():
+    """data/runs/h200-...-vllm026 (vLLM 0.26, H200): plain repeats and speculation identical,
+    acceptance off the CPU reference (the plain path took the runner-up at near-ties) but on
+    the counters expected along its own plain path; both controls flagged by parity from
+    0.1 nats in every draw."""
+    from speclab import profiles, store
+
+    prof = profiles.load("tiny-dsv4-neartie-accept-h200")
+    run = store.run_dirs(H200_PARITY)[0]
+    plan = parity.plan(prof, prof.parity.arms, k_values=prof.parity.k_values,
+                       spec_k=prof.parity.spec_k)
+    pts, recs = store.results_for(run, parity.points_of(plan, grouped=None))
+    ref = parity.load_expected(profiles.REPO / prof.parity.expected)
+    pre, path = parity.settings(prof), parity.settings(prof, "p", expected_from="plain-path")
+    a_pre = parity.analyze(plan, recs, pts, pre, expected=ref)
+    a_path = parity.analyze(plan, recs, pts, path, expected=parity.expected_for(path, ref, run))
+    for a in (a_pre, a_path):
+        healthy = a.summary[(a.summary.role != "control") & (a.summary.status == "ok")]
+        assert len(healthy) == 8 and (healthy.exact == 16).all()
+    spec = lambda a: a.summary[a.summary.arm.str.startswith("spec-")]  # noqa: E731
+    assert spec(a_pre).flagged_acceptance.all() and not spec(a_path).flagged_acceptance.any()
+    pw = parity.power(a_path.summary)
+    assert parity.resolution(pw, 1.0, "flagged_parity") == {"accept-bias": 0.1,
+                                                            "verify-bias": 0.1}

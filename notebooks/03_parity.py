@@ -137,11 +137,21 @@ for a in others:
             "expected_rate", "flagged_acceptance", "flagged"]
     display(a.summary[[c for c in cols if c in a.summary]]
             if len(a.summary) and "n" in a.summary else a.summary)
+    a_pw = parity.power(a.summary)
+    if len(a_pw):
+        display(a_pw)
+        fig = plots.detection_power(a_pw, a.settings.near_tie, a.floor["floor"],
+                                    title=f"{prof.name}: detection power ({a.settings.name})")
+        plots.save(fig, figures_dir, "detection_power_" + "-".join(a.settings.name.split()))
 
 # %%
 record(parity=result.summary.to_dict("records"), findings=lines, near_tie=prereg.near_tie,
        preregistered=prereg.describe(), noise=result.floor, power=pw.to_dict("records"),
        resolution=res, self_flips=flips.to_dict("records"),
-       reanalyses={a.settings.name: {"settings": a.settings.describe(),
-                                     "parity": a.summary.to_dict("records"), "noise": a.floor}
-                   for a in others})
+       reanalyses={a.settings.name: {
+           "settings": a.settings.describe(), "parity": a.summary.to_dict("records"),
+           "noise": a.floor, "power": parity.power(a.summary).to_dict("records"),
+           "resolution": {by: parity.resolution(parity.power(a.summary), a.settings.detect_share,
+                                                by)
+                          for by in ("flagged_parity", "flagged_acceptance", "flagged")}}
+           for a in others})

@@ -325,7 +325,7 @@ def test_the_h200_parity_run_reads_as_committed():
     for a in (a_pre, a_path):
         healthy = a.summary[(a.summary.role != "control") & (a.summary.status == "ok")]
         assert len(healthy) == 8 and (healthy.exact == 16).all()
-    spec = lambda a: a.summary[a.summary.arm.str.startswith("spec-")]  # noqa: E731
+    spec = lambda a: a.summary[a.summary.arm.str.startswith("spec-")]
     assert spec(a_pre).flagged_acceptance.all() and not spec(a_path).flagged_acceptance.any()
     pw = parity.power(a_path.summary)
     assert parity.resolution(pw, 1.0, "flagged_parity") == {"accept-bias": 0.1,

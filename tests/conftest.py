@@ -1,4 +1,5 @@
 import os
+import uuid
 from pathlib import Path
 
 import pytest
@@ -7,16 +8,40 @@ import yaml
 from speclab import server
 from speclab.profiles import REPO, Point, load
 
+# Marks the processes this test process starts (inherited through their environment), so a
+# check for leftover servers sees its own, orphans included, and not another worker's.
+SESSION_MARK = os.environ["SPECLAB_TEST_PROCESS"] = uuid.uuid4().hex
+# Session fixtures whose runs several test files read: under pytest-xdist those files share
+# one worker, so each run is made once.
+SHARED_RUNS = {"smoke_suite", "served_k3", "served_profile"}
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Under `--dist loadgroup` (`make test`): each test file is one xdist group, so its
+    module fixtures are made once; the files that use SHARED_RUNS form one group, run first
+    (the longest)."""
+    if config.getoption("dist", "no") != "loadgroup":
+        return
+    shared = {item.module.__name__ for item in items if SHARED_RUNS & set(item.fixturenames)}
+    for item in items:
+        name = item.module.__name__
+        item.add_marker(pytest.mark.xdist_group("shared-runs" if name in shared else name))
+    items.sort(key=lambda item: item.module.__name__ not in shared)
+
 
 @pytest.fixture(scope="session")
 def fixture_cache(tmp_path_factory) -> Path:
     """Fixture cache shared by the whole session: $SPECLAB_CACHE/fixtures, else the fixtures
-    folder of a temporary cache root (tests point SPECLAB_CACHE at fixture_cache.parent, so
-    that their engines find the same builds)."""
+    folder of a temporary cache root, one for all xdist workers (tests point SPECLAB_CACHE at
+    fixture_cache.parent, so that their engines find the same builds)."""
     root = os.environ.get("SPECLAB_CACHE")
     if root:
         return Path(root) / "fixtures"
-    (cache := tmp_path_factory.mktemp("speclab-cache") / "fixtures").mkdir()
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent  # the run's folder above the workers' (builds are locked)
+    (cache := base / "speclab-cache" / "fixtures").mkdir(parents=True, exist_ok=True)
     return cache
 
 

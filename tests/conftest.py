@@ -1,4 +1,6 @@
+import functools
 import os
+import re
 import uuid
 from pathlib import Path
 
@@ -13,21 +15,36 @@ from speclab.profiles import REPO, Point, load
 SESSION_MARK = os.environ["SPECLAB_TEST_PROCESS"] = uuid.uuid4().hex
 # Session fixtures whose runs several test files read: under pytest-xdist those files share
 # one worker, so each run is made once.
-SHARED_RUNS = {"smoke_suite", "served_k3", "served_profile"}
+SHARED_RUNS = re.compile(r"\b(smoke_suite|served_k3|served_profile)\b")
 
 
-@pytest.hookimpl(tryfirst=True)
+@functools.cache
+def shared_run_files() -> frozenset[str]:
+    """The test files that use a SHARED_RUNS fixture (by name, in their source)."""
+    return frozenset(p.name for p in Path(__file__).parent.glob("test_*.py")
+                     if SHARED_RUNS.search(p.read_text()))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadfile` (`make test`): each test file on one worker (its module fixtures made
+    once), and the files in shared_run_files on one worker together. pytest 9.2 ignores the
+    node-id suffix behind `--dist loadgroup` (xdist 3.8 sets `item._nodeid`), hence this."""
+    from xdist.scheduler import LoadFileScheduling
+
+    class Scheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            file = super()._split_scope(nodeid)
+            return "shared-runs" if Path(file).name in shared_run_files() else file
+
+    return Scheduling(config, log) if config.getvalue("dist") == "loadfile" else None
+
+
 def pytest_collection_modifyitems(config, items):
-    """Under `--dist loadgroup` (`make test`): each test file is one xdist group, so its
-    module fixtures are made once; the files that use SHARED_RUNS form one group, run first
-    (the longest)."""
-    if config.getoption("dist", "no") != "loadgroup":
-        return
-    shared = {item.module.__name__ for item in items if SHARED_RUNS & set(item.fixturenames)}
-    for item in items:
-        name = item.module.__name__
-        item.add_marker(pytest.mark.xdist_group("shared-runs" if name in shared else name))
-    items.sort(key=lambda item: item.module.__name__ not in shared)
+    """In an xdist worker: the files in shared_run_files first (with
+    `--no-loadscope-reorder`, the longest unit of work starts first)."""
+    if hasattr(config, "workerinput"):
+        items.sort(key=lambda item: item.path.name not in shared_run_files())
 
 
 @pytest.fixture(scope="session")

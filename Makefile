@@ -37,13 +37,8 @@ $(CHROMIUM):
 report: setup
 	$(VENV)/bin/speclab run --profile $(PROFILE)
 
-# Two pytest-xdist workers: much of the suite waits on engines, servers and subprocesses.
-# Each test file runs on one worker; the files sharing the session's runs run on one together
-# (tests/conftest.py). PYTEST_ARGS= runs the suite in one process.
-PYTEST_ARGS ?= -n 2 --dist loadfile --no-loadscope-reorder
-
 test: setup $(CHROMIUM)
-	@$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
+	@$(PY) -m pytest; rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "pytest collected no tests: treated as a failure" >&2; fi; \
 	  exit $$rc
 

@@ -1,6 +1,4 @@
-import functools
 import os
-import re
 import uuid
 from pathlib import Path
 
@@ -10,55 +8,20 @@ import yaml
 from speclab import server
 from speclab.profiles import REPO, Point, load
 
-# Marks the processes this test process starts (inherited through their environment), so a
-# check for leftover servers sees its own, orphans included, and not another worker's.
+# Marks the processes this test run starts (inherited through their environment), so a check
+# for leftover servers sees its own, orphans included, and not another run's on the machine.
 SESSION_MARK = os.environ["SPECLAB_TEST_PROCESS"] = uuid.uuid4().hex
-# Session fixtures whose runs several test files read: under pytest-xdist those files share
-# one worker, so each run is made once.
-SHARED_RUNS = re.compile(r"\b(smoke_suite|served_k3|served_profile)\b")
-
-
-@functools.cache
-def shared_run_files() -> frozenset[str]:
-    """The test files that use a SHARED_RUNS fixture (by name, in their source)."""
-    return frozenset(p.name for p in Path(__file__).parent.glob("test_*.py")
-                     if SHARED_RUNS.search(p.read_text()))
-
-
-@pytest.hookimpl(optionalhook=True)
-def pytest_xdist_make_scheduler(config, log):
-    """`--dist loadfile` (`make test`): each test file on one worker (its module fixtures made
-    once), and the files in shared_run_files on one worker together. pytest 9.2 ignores the
-    node-id suffix behind `--dist loadgroup` (xdist 3.8 sets `item._nodeid`), hence this."""
-    from xdist.scheduler import LoadFileScheduling
-
-    class Scheduling(LoadFileScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            file = super()._split_scope(nodeid)
-            return "shared-runs" if Path(file).name in shared_run_files() else file
-
-    return Scheduling(config, log) if config.getvalue("dist") == "loadfile" else None
-
-
-def pytest_collection_modifyitems(config, items):
-    """In an xdist worker: the files in shared_run_files first (with
-    `--no-loadscope-reorder`, the longest unit of work starts first)."""
-    if hasattr(config, "workerinput"):
-        items.sort(key=lambda item: item.path.name not in shared_run_files())
 
 
 @pytest.fixture(scope="session")
 def fixture_cache(tmp_path_factory) -> Path:
     """Fixture cache shared by the whole session: $SPECLAB_CACHE/fixtures, else the fixtures
-    folder of a temporary cache root, one for all xdist workers (tests point SPECLAB_CACHE at
-    fixture_cache.parent, so that their engines find the same builds)."""
+    folder of a temporary cache root (tests point SPECLAB_CACHE at fixture_cache.parent, so
+    that their engines find the same builds)."""
     root = os.environ.get("SPECLAB_CACHE")
     if root:
         return Path(root) / "fixtures"
-    base = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        base = base.parent  # the run's folder above the workers' (builds are locked)
-    (cache := base / "speclab-cache" / "fixtures").mkdir(parents=True, exist_ok=True)
+    (cache := tmp_path_factory.mktemp("speclab-cache") / "fixtures").mkdir()
     return cache
 
 

@@ -22,8 +22,8 @@ def profile(served_profile):
 
 
 def servers() -> list[int]:
-    """Pids of `vllm.entrypoints` processes that this test process started, orphans included
-    (conftest.SESSION_MARK in their environment): another test run's are not ours."""
+    """Pids of `vllm.entrypoints` processes that this test run started, orphans included
+    (conftest.SESSION_MARK in their environment): another run's on the machine are not ours."""
     found = []
     for p in psutil.process_iter(["cmdline"]):
         try:
@@ -116,9 +116,9 @@ def test_run_async_works_inside_a_running_event_loop():
     assert asyncio.run(notebook_cell()) == 42
 
 
-def test_leftover_check_sees_this_process_orphans_and_not_others():
+def test_leftover_check_sees_this_runs_orphans_not_another_runs():
     """`servers()`: an orphaned `vllm.entrypoints` process started from here is found; one
-    carrying another test process's mark (another xdist worker's) is not."""
+    carrying another test run's mark is not."""
     spawn = ("import subprocess, sys; subprocess.Popen([sys.executable, '-c', "
              "'import time; time.sleep(60)', 'vllm.entrypoints'], env={**os.environ, **%r})")
     marks = {"ours": {}, "theirs": {"SPECLAB_TEST_PROCESS": "another"}}

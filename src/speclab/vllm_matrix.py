@@ -45,7 +45,8 @@ def cache_dir() -> Path:
 
 def wheel(version: str) -> Path:
     """The cached official vLLM wheel for ``version`` (downloaded if missing; one download at
-    a time per version, so concurrent callers, e.g. pytest-xdist workers, wait for it)."""
+    a time per version: a concurrent caller, e.g. a second test run on the same cache, waits
+    for it instead of reading a half-written wheel)."""
     wheels = cache_dir() / "wheels"
     found = sorted(wheels.glob(f"vllm-{version}-*.whl"))
     if found:

@@ -1,4 +1,5 @@
 import os
+import uuid
 from pathlib import Path
 
 import pytest
@@ -6,6 +7,10 @@ import yaml
 
 from speclab import server
 from speclab.profiles import REPO, Point, load
+
+# Marks the processes this test run starts (inherited through their environment), so a check
+# for leftover servers sees its own, orphans included, and not another run's on the machine.
+SESSION_MARK = os.environ["SPECLAB_TEST_PROCESS"] = uuid.uuid4().hex
 
 
 @pytest.fixture(scope="session")

@@ -4,9 +4,11 @@ interruption."""
 
 import asyncio
 import subprocess
+import sys
 
+import psutil
 import pytest
-from conftest import SERVED_K3, SERVED_LEVELS
+from conftest import SERVED_K3, SERVED_LEVELS, SESSION_MARK
 
 from speclab import metrics, notebook, report, server, store
 from speclab.profiles import Point, load
@@ -19,9 +21,18 @@ def profile(served_profile):
     return load(served_profile)
 
 
-def servers() -> list[str]:
-    out = subprocess.run(["pgrep", "-f", "vllm.entrypoints"], capture_output=True, text=True)
-    return out.stdout.split()
+def servers() -> list[int]:
+    """Pids of `vllm.entrypoints` processes that this test run started, orphans included
+    (conftest.SESSION_MARK in their environment): another run's on the machine are not ours."""
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            if "vllm.entrypoints" in " ".join(p.info["cmdline"] or ()) and \
+                    p.environ().get("SPECLAB_TEST_PROCESS") == SESSION_MARK:
+                found.append(p.pid)
+        except psutil.Error:
+            pass
+    return found
 
 
 def test_server_sweep_matches_its_own_logs(served_k3):
@@ -103,3 +114,23 @@ def test_run_async_works_inside_a_running_event_loop():
 
     assert server.run_async(answer()) == 42
     assert asyncio.run(notebook_cell()) == 42
+
+
+def test_leftover_check_sees_this_runs_orphans_not_another_runs():
+    """`servers()`: an orphaned `vllm.entrypoints` process started from here is found; one
+    carrying another test run's mark is not."""
+    spawn = ("import subprocess, sys; subprocess.Popen([sys.executable, '-c', "
+             "'import time; time.sleep(60)', 'vllm.entrypoints'], env={**os.environ, **%r})")
+    marks = {"ours": {}, "theirs": {"SPECLAB_TEST_PROCESS": "another"}}
+    pids = {}
+    for name, env in marks.items():
+        before = set(psutil.pids())
+        subprocess.run([sys.executable, "-c", "import os; " + spawn % env], check=True)
+        pids[name] = [p.pid for p in psutil.process_iter(["cmdline"])
+                      if p.pid not in before and "vllm.entrypoints" in (p.info["cmdline"] or [])]
+    try:
+        assert len(pids["ours"]) == len(pids["theirs"]) == 1
+        assert servers() == pids["ours"]
+    finally:
+        for pid in pids["ours"] + pids["theirs"]:
+            psutil.Process(pid).kill()

@@ -11,6 +11,7 @@ read from it (``request_metrics_facts``: vLLM's own per-request spec-decode coun
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
@@ -43,7 +44,9 @@ def cache_dir() -> Path:
 
 
 def wheel(version: str) -> Path:
-    """The cached official vLLM wheel for ``version`` (downloaded if missing)."""
+    """The cached official vLLM wheel for ``version`` (downloaded if missing; one download at
+    a time per version: a concurrent caller, e.g. a second test run on the same cache, waits
+    for it instead of reading a half-written wheel)."""
     wheels = cache_dir() / "wheels"
     found = sorted(wheels.glob(f"vllm-{version}-*.whl"))
     if found:
@@ -53,7 +56,12 @@ def wheel(version: str) -> Path:
            "--implementation", "cp", "--python-version", "3.12",
            "--platform", "manylinux_2_28_x86_64", "--platform", "manylinux_2_24_x86_64",
            "-d", str(wheels), f"vllm=={version}"]
-    done = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=1800)
+    with open(wheels / f".vllm-{version}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        found = sorted(wheels.glob(f"vllm-{version}-*.whl"))
+        if found:
+            return found[0]
+        done = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=1800)
     found = sorted(wheels.glob(f"vllm-{version}-*.whl"))
     if done.returncode or not found:
         raise Unavailable(f"vllm {version} wheel neither in {wheels} nor downloadable: "

@@ -2,7 +2,9 @@
 # lab.py detached: it keeps running between device calls while the machine stays warm, so a
 # job longer than one call is not cut at each call's end (a point in flight is not lost).
 #   bash tools/gpu/labd.sh start STAGE RELEASE MINUTES JOBS [LAB_ARGS]   e.g. .stage/gpu026 0.26 22
-#        mtp-026 (JOBS: comma-separated; LAB_ARGS go to lab.py, e.g. --slots 2)
+#        mtp-026 (JOBS: comma-separated; LAB_ARGS go to lab.py, e.g. --slots 2; STAGE: the
+#        bundle's, then any more, comma-separated, e.g. .stage/gpu026,.stage/ray for the Ray
+#        layer: unpack.sh's environment of each, in that order)
 #   bash tools/gpu/labd.sh collect SECONDS                   wait (returns early when lab.py
 #        is done), then copy results.tar.gz, summary.json, driver.log, JIT caches to $OUT
 # The device copies the working tree afresh for every call and drops untracked files, so the
@@ -18,7 +20,11 @@ case "${1:-}" in
 start)
   stage=${2:?stage} rel=${3:?release} minutes=${4:?minutes} jobs=${5:?jobs}
   shift 5; extra=""; [ $# -gt 0 ] && extra=$(printf ' %q' "$@")
-  envs=$(bash tools/gpu/unpack.sh "$stage") || { echo "bundle incomplete (rc $?)"; exit 3; }
+  envs=""
+  for st in ${stage//,/ }; do
+    e=$(bash tools/gpu/unpack.sh "$st") || { echo "$st incomplete (rc $?)"; exit 3; }
+    envs+=$e$'\n'
+  done
   mkdir -p "$LABD/repo" "$LABD/out"
   tar --exclude=./.stage --exclude=./.git -cf - . | tar -xf - -C "$LABD/repo"
   bash tools/gpu/jit.sh load "vllm${rel//./}"

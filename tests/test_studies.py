@@ -214,17 +214,21 @@ echo "$* | $PYTHONPATH" >> "$CALLS"
 
 def test_ray_realshape_sweeps_locally_then_on_ray_with_its_layer_and_compares(tmp_path):
     """Study ray-realshape (issue 23 item 5) run with a stand-in interpreter that records its
-    argv and PYTHONPATH: the local job builds the fixtures in a process of its own, then sweeps
-    without Ray on its path; the Ray job stops before anything runs when no Ray layer was
-    unpacked, else sweeps the same profile with --executor ray, the Ray layer last on
-    PYTHONPATH, and compares the two run folders; a failed sweep skips the comparison."""
+    argv and PYTHONPATH: k = 3 on both executors, then plain, each job after the one before;
+    a local job builds the fixtures in a process of its own, then sweeps without Ray on its
+    path; a Ray job stops before anything runs when no Ray layer was unpacked, else sweeps the
+    same points with --executor ray, the Ray layer last on PYTHONPATH, and compares the two
+    run folders; a failed sweep skips the comparison."""
     stub = tmp_path / "python"
     stub.write_text(STUB)
     stub.chmod(0o755)
     plan = studies.plan("S", str(stub))
-    local, ray = plan.job("realshape-local-026"), plan.job("ray-realshape-026")
-    assert local.vllm == ray.vllm == "0.26" and local.exclusive and ray.exclusive
-    assert ray.after == ("realshape-local-026",) and ray.runs[0] == local.runs[0] + "-ray"
+    jobs = [j for j in plan.jobs if j.study == "ray-realshape"]
+    assert [(j.name, j.after) for j in jobs] == [
+        ("realshape-local-k3-026", ()), ("ray-realshape-k3-026", ("realshape-local-k3-026",)),
+        ("realshape-local-k0-026", ("ray-realshape-k3-026",)),
+        ("ray-realshape-k0-026", ("realshape-local-k0-026",))]
+    assert all(j.vllm == "0.26" and j.exclusive for j in jobs)
     base = {k: v for k, v in os.environ.items() if k != "SPECLAB_RAY_SITE"}
 
     def run(job, **env):
@@ -236,18 +240,20 @@ def test_ray_realshape_sweeps_locally_then_on_ray_with_its_layer_and_compares(tm
         return r.returncode, calls.read_text().splitlines() if calls.exists() else []
 
     run_a, run_b = "data/runs/h200-realshape-sweep-S", "data/runs/h200-realshape-sweep-S-ray"
-    sweep = "-m speclab sweep --profile realshape-ray-h200 --run-id h200-realshape-sweep-S"
-    assert run(local, SPECLAB_RAY_SITE="/ray") == (0, [
-        "-m speclab fixtures build realshape-dsv4-eagle3 | /bundle/site",
-        f"{sweep} | /bundle/site"])
-    rc, calls = run(ray)
-    assert rc != 0 and calls == []
     compare = f"tools/gpu/compare_counters.py {run_a} {run_b} --out {run_b}/compare.json"
-    assert run(ray, SPECLAB_RAY_SITE="/ray") == (0, [
-        f"{sweep}-ray --executor ray | /bundle/site:/ray", f"{compare} | /bundle/site:/ray"])
-    assert run(ray, SPECLAB_RAY_SITE="/ray", SWEEP_RC="1") == (
-        1, [f"{sweep}-ray --executor ray | /bundle/site:/ray"])
-    assert ray.env == {"RAY_USAGE_STATS_ENABLED": "0"}
+    for local, ray, k in ((jobs[0], jobs[1], "k3_*"), (jobs[2], jobs[3], "k0_*")):
+        sweep = f"-m speclab sweep --profile realshape-ray-h200 --run-id {run_a[10:]}"
+        assert run(local, SPECLAB_RAY_SITE="/ray") == (0, [
+            "-m speclab fixtures build realshape-dsv4-eagle3 | /bundle/site",
+            f"{sweep} --only {k} | /bundle/site"])
+        rc, calls = run(ray)
+        assert rc != 0 and calls == []
+        assert run(ray, SPECLAB_RAY_SITE="/ray") == (0, [
+            f"{sweep}-ray --executor ray --only {k} | /bundle/site:/ray",
+            f"{compare} | /bundle/site:/ray"])
+        assert run(ray, SPECLAB_RAY_SITE="/ray", SWEEP_RC="1") == (
+            1, [f"{sweep}-ray --executor ray --only {k} | /bundle/site:/ray"])
+        assert ray.env == {"RAY_USAGE_STATS_ENABLED": "0"} and ray.runs == [run_b[10:], run_a[10:]]
 
 
 def test_ray_realshapes_profile_runs_batch_1_graphs_within_the_draft_vocabulary():

@@ -180,10 +180,11 @@ def test_pack_ray_layer_prunes_and_unpack_exports_only_the_ray_site(tmp_path):
     ray_site = tmp_path / "dest/speclab_site_ray/site"
     assert u.stdout == f"export SPECLAB_RAY_SITE={ray_site}\n" and "ray 2.60.0" in u.stderr
     assert (ray_site / "ray/core/src/ray/raylet/raylet").read_bytes() == RAYLET
+    script = ('eval "$(bash tools/gpu/unpack.sh .stage/ray)" && echo "$PYTHONPATH" && '
+              'PYTHONPATH=$PYTHONPATH:$SPECLAB_RAY_SITE python3 -c "import ray, msgpack; '
+              'print(ray.__file__)"')
     probe = subprocess.run(
-        ["bash", "-c", 'eval "$(bash tools/gpu/unpack.sh .stage/ray)" && echo "$PYTHONPATH" && '
-         'PYTHONPATH=$PYTHONPATH:$SPECLAB_RAY_SITE python3 -c "import ray, msgpack; '
-         'print(ray.__file__)"'], cwd=root, capture_output=True, text=True, check=False,
+        ["bash", "-c", script], cwd=root, capture_output=True, text=True, check=False,
         env={**uenv, "PYTHONPATH": "/bundle/site",
              "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"})
     assert probe.stdout.splitlines() == ["/bundle/site", f"{ray_site}/ray/__init__.py"], \
@@ -218,7 +219,7 @@ def test_labd_takes_the_environment_of_every_stage_and_refuses_a_missing_one(tmp
     env = {**os.environ, "HOME": str(tmp_path), "LABD": str(tmp_path / "labd"),
            "LAB_STATE": str(tmp_path / "state"), "OUT": str(out),
            "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
-    start = lambda stages: subprocess.run(  # noqa: E731
+    start = lambda stages: subprocess.run(
         ["bash", "tools/gpu/labd.sh", "start", stages, "0.26", "5", "a-026,b-026"], cwd=root,
         env=env, capture_output=True, text=True, check=False)
     r = start(".stage/gpu026,.stage/missing")

@@ -34,7 +34,8 @@
 #                 (LAYER_CACHE, below) into parts: a machine that packed before
 #                 re-makes .stage without downloading or compressing (seconds)
 # Env: WORK (default /tmp/speclab_gpu_pack for 0.22.0, /tmp/speclab_gpu_pack0YY
-#      otherwise, /tmp/speclab_gpu_pack_ray for --ray): wheel cache ($WORK/whl, reused) and the tree ($WORK/tree/site).
+#      otherwise, /tmp/speclab_gpu_pack_ray for --ray): wheel cache ($WORK/whl, reused)
+#      and the tree ($WORK/tree/site).
 #      VLLM_WHEEL_DIR (default /tmp/wheels/v22): a folder that may already hold the
 #      vLLM wheel, like ${SPECLAB_CACHE:-~/.cache/speclab}/wheels (copied, not
 #      downloaded). XZ_THREADS (default 2). XZ_PRESET (default 9e; 6 compresses
@@ -62,7 +63,7 @@ while [ $# -gt 0 ]; do
     --tree-only) TREE_ONLY=1; shift ;;
     --resplit) RESPLIT=1; shift ;;
     --from-cache) FROM_CACHE=1; shift ;;
-    -h|--help) sed -n '2,39p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,/^# Needs:/p' "$0"; exit 0 ;;
     *) echo "unknown option: $1" >&2; exit 2 ;;
   esac
 done

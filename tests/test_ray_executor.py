@@ -203,6 +203,25 @@ def _wait(cond, timeout: float, what: str, proc: subprocess.Popen | None = None)
     raise AssertionError(f"timed out: {what}")
 
 
+@pytest.mark.timeout(300)
+def test_ray_check_places_a_gpu_point_like_the_executor_and_reports_a_missing_module():
+    """tools/gpu/ray_check.py (the device's check of the Ray layer) on a Ray instance with a
+    GPU declared: the realshape-ray-h200 point gets its placement group's node, GPU 0 as
+    CUDA_VISIBLE_DEVICES and speclab in the task and its child; a module the task cannot
+    import fails the check."""
+    r = subprocess.run([sys.executable, "tools/gpu/ray_check.py", "--gpus", "1",
+                        "--modules", "json,no_such_module"], cwd=Path(__file__).parents[1],
+                       capture_output=True, text=True, timeout=240, check=False,
+                       env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
+    lines = r.stdout.splitlines()
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "ok   placed on the group's node" in lines
+    assert "ok   GPU ids ['0'], CUDA_VISIBLE_DEVICES 0" in lines
+    assert "FAIL speclab, json, no_such_module in the task" in lines
+    assert "FAIL speclab, json, no_such_module in its child" in lines
+    assert any("no_such_module: No module named 'no_such_module'" in x for x in lines)
+
+
 @pytest.mark.vllm
 @pytest.mark.timeout(1500)
 def test_ray_sweep_on_a_local_cluster(tmp_path, fixture_cache, smoke_suite, monkeypatch):

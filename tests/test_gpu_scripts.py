@@ -201,6 +201,9 @@ with open(out / "driver.log", "a") as f:
     f.write(f"BUNDLE={os.environ.get('BUNDLE')} RAY={os.environ.get('SPECLAB_RAY_SITE')}\\n")
 state = pathlib.Path(os.environ["LAB_STATE"]); state.mkdir(exist_ok=True)
 (state / "done.json").write_text(json.dumps(sys.argv[sys.argv.index("--only") + 1].split(",")))
+(state / "logs").mkdir(exist_ok=True)
+(state / "logs" / "b-026.log").write_text("engine noise\\nk3_x: counters equal, tokens equal\\n"
+                                         "1/1 shared points identical; throughput within\\n")
 """
 STAGE_ENV = """case $(basename "$1") in
   gpu026) echo "export BUNDLE=ok" ;;
@@ -231,3 +234,5 @@ def test_labd_takes_the_environment_of_every_stage_and_refuses_a_missing_one(tmp
                        capture_output=True, text=True, check=False)
     assert "labd ended" in r.stdout, r.stdout + r.stderr
     assert (out / "driver.log").read_text().splitlines() == ["BUNDLE=ok RAY=/tmp/ray-site"]
+    assert r.stdout.splitlines()[-2:] == ["k3_x: counters equal, tokens equal",
+                                          "1/1 shared points identical; throughput within"]

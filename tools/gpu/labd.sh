@@ -6,7 +6,8 @@
 #        bundle's, then any more, comma-separated, e.g. .stage/gpu026,.stage/ray for the Ray
 #        layer: unpack.sh's environment of each, in that order)
 #   bash tools/gpu/labd.sh collect SECONDS                   wait (returns early when lab.py
-#        is done), then copy results.tar.gz, summary.json, driver.log, JIT caches to $OUT
+#        is done), then copy results.tar.gz, summary.json, driver.log, JIT caches to $OUT,
+#        and print the driver log's tail and the checks' verdicts (mtp, compare_counters)
 # The device copies the working tree afresh for every call and drops untracked files, so the
 # detached lab.py runs from a copy of the tree in $LABD (default /tmp/speclab_labd), with the
 # bundle's environment and the carried JIT caches (jit.sh load). lab.py is run again while a
@@ -56,7 +57,10 @@ collect)
   tail -n 100 "$LABD/labd.out" > "$OUT/labd.out" 2>/dev/null
   grep -q "^labd done" "$LABD/labd.out" && echo "labd ended" || echo "labd still running"
   tail -n 30 "$LABD/out/driver.log"
-  cat "$LABD"/repo/data/runs/*/mtp_check.json 2>/dev/null | head -60 ;;
+  cat "$LABD"/repo/data/runs/*/mtp_check.json 2>/dev/null | head -60
+  # compare_counters.py's verdicts (the Ray jobs): its lines end with this summary
+  grep -h -B 4 "shared points identical" "${LAB_STATE:-/tmp/speclab_lab}"/logs/*.log \
+    2>/dev/null | tail -n 20 ;;
 *)
   sed -n 2,6p "$0"; exit 2 ;;
 esac

@@ -1,9 +1,12 @@
 """The device-side shell tools that carry state between device calls: tools/gpu/jit.sh (JIT
-caches in both tarball layouts) and tools/gpu/labd.sh (lab.py detached from the call)."""
+caches in both tarball layouts), tools/gpu/labd.sh (lab.py detached from the call, with the
+environment of every stage it is given), and the Ray layer: tools/gpu/pack.sh --ray and
+tools/gpu/unpack.sh's SPECLAB_RAY_SITE."""
 
 import io
 import json
 import os
+import random
 import shutil
 import subprocess
 import sys
@@ -104,3 +107,132 @@ def test_labd_collect_on_a_fresh_machine_says_so_at_once(tmp_path):
                        capture_output=True, timeout=30, check=False,
                        env={**os.environ, "LABD": str(tmp_path / "none"), "OUT": str(tmp_path)})
     assert r.returncode == 4 and "no detached lab.py" in r.stdout
+
+
+def fake_wheel(path: Path, files: dict[str, bytes]) -> None:
+    """A wheel pip installs: the files, plus its dist-info (METADATA, WHEEL, RECORD)."""
+    import base64
+    import hashlib
+    import zipfile
+
+    name, ver = path.name.split("-")[:2]
+    info = f"{name}-{ver}.dist-info"
+    files = {**files, f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\n"
+             f"Version: {ver}\n".encode(),
+             f"{info}/WHEEL": b"Wheel-Version: 1.0\nRoot-Is-Purelib: false\n"
+             b"Tag: cp312-cp312-manylinux2014_x86_64\n"}
+    digest = lambda b: base64.urlsafe_b64encode(hashlib.sha256(b).digest()).rstrip(b"=")
+    record = "".join(f"{n},sha256={digest(b).decode()},{len(b)}\n" for n, b in files.items())
+    with zipfile.ZipFile(path, "w") as z:
+        for n, b in files.items():
+            z.writestr(n, b)
+        z.writestr(f"{info}/RECORD", record + f"{info}/RECORD,,\n")
+
+
+RAYLET = random.Random(0).randbytes(1_600_000)  # incompressible: two parts of 1 MiB
+
+
+def test_pack_ray_layer_prunes_and_unpack_exports_only_the_ray_site(tmp_path):
+    """pack.sh --ray on the pinned wheels (fakes of the same names, in its wheel cache: no
+    download): Ray's core stays, its libraries, jar and dashboard client go; the parts come
+    back across two calls and unpack.sh prints SPECLAB_RAY_SITE alone (a bundle's PYTHONPATH
+    is left as it was); the layer is deterministic (a second pack reuses it)."""
+    root = tree(tmp_path, "pack.sh", "unpack.sh", "requirements-ray.txt")
+    work = tmp_path / "work"
+    (work / "whl").mkdir(parents=True)
+    plat = "cp312-cp312-manylinux2014_x86_64.whl"
+    fake_wheel(work / "whl" / f"ray-2.60.0-{plat}", {
+        "ray/__init__.py": b"from ray.dashboard import agent\n",
+        "ray/dashboard/__init__.py": b"", "ray/dashboard/agent.py": b"",
+        "ray/dashboard/client/build/index.html": b"<html/>",
+        "ray/rllib/__init__.py": b"", "ray/tune/__init__.py": b"", "ray/serve/__init__.py": b"",
+        "ray/jars/ray_dist.jar": b"PK", "ray/core/src/ray/raylet/raylet": RAYLET,
+        "ray/thirdparty_files/psutil/__init__.py": b""})
+    fake_wheel(work / "whl" / f"msgpack-1.2.4-{plat}", {"msgpack/__init__.py": b""})
+    env = {**os.environ, "WORK": str(work), "LAYER_CACHE": str(tmp_path / "layers"),
+           "XZ_PRESET": "0", "PYTHON": sys.executable}
+    pack = ["bash", "tools/gpu/pack.sh", "--ray", "--part-mib", "1"]
+    r = subprocess.run(pack, cwd=root, env=env, capture_output=True, text=True, check=False)
+    assert r.returncode == 0, r.stdout + r.stderr
+    site = work / "tree/site"
+    assert (site / "ray/dashboard/agent.py").exists() and (site / "msgpack").is_dir()
+    assert (site / "ray/thirdparty_files/psutil").is_dir()
+    for gone in ("ray/rllib", "ray/tune", "ray/serve", "ray/jars", "ray/dashboard/client",
+                 "bin", "sitecustomize.py"):
+        assert not (site / gone).exists(), gone
+    stage = root / ".stage/ray"
+    manifest = (stage / "MANIFEST").read_text().splitlines()
+    assert "kind ray" in manifest and "nparts 2" in manifest
+    assert {"wheel ray==2.60.0", "wheel msgpack==1.2.4"} <= set(manifest)
+    assert [x.split()[1] for x in manifest if x.startswith("layer ")] == ["ray2.60.0"]
+    sha = next(x for x in manifest if x.startswith("bundle_sha256"))
+
+    # the device: one part a call, then the environment
+    shutil.move(stage, tmp_path / "parts")
+    uenv = {**os.environ, "SPECLAB_PARTS": str(tmp_path / "stash"),
+            "SPECLAB_DEST_ROOT": str(tmp_path / "dest")}
+    for k, want in ((1, 3), (2, 0)):
+        shutil.rmtree(stage, ignore_errors=True)
+        shutil.copytree(tmp_path / "parts" / f"p{k}", stage / f"p{k}")
+        u = subprocess.run(["bash", "tools/gpu/unpack.sh", ".stage/ray"], cwd=root, env=uenv,
+                           capture_output=True, text=True, check=False)
+        assert u.returncode == want, u.stderr
+    ray_site = tmp_path / "dest/speclab_site_ray/site"
+    assert u.stdout == f"export SPECLAB_RAY_SITE={ray_site}\n" and "ray 2.60.0" in u.stderr
+    assert (ray_site / "ray/core/src/ray/raylet/raylet").read_bytes() == RAYLET
+    script = ('eval "$(bash tools/gpu/unpack.sh .stage/ray)" && echo "$PYTHONPATH" && '
+              'PYTHONPATH=$PYTHONPATH:$SPECLAB_RAY_SITE python3 -c "import ray, msgpack; '
+              'print(ray.__file__)"')
+    probe = subprocess.run(
+        ["bash", "-c", script], cwd=root, capture_output=True, text=True, check=False,
+        env={**uenv, "PYTHONPATH": "/bundle/site",
+             "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"})
+    assert probe.stdout.splitlines() == ["/bundle/site", f"{ray_site}/ray/__init__.py"], \
+        probe.stderr
+
+    r = subprocess.run(pack, cwd=root, env=env, capture_output=True, text=True, check=False)
+    assert r.returncode == 0 and "reusing" in r.stdout, r.stdout + r.stderr
+    assert sha in (stage / "MANIFEST").read_text().splitlines()
+
+
+LAB_ENV = """import json, os, sys, pathlib
+out = pathlib.Path(sys.argv[sys.argv.index("--out") + 1]); out.mkdir(parents=True, exist_ok=True)
+with open(out / "driver.log", "a") as f:
+    f.write(f"BUNDLE={os.environ.get('BUNDLE')} RAY={os.environ.get('SPECLAB_RAY_SITE')}\\n")
+state = pathlib.Path(os.environ["LAB_STATE"]); state.mkdir(exist_ok=True)
+(state / "done.json").write_text(json.dumps(sys.argv[sys.argv.index("--only") + 1].split(",")))
+(state / "logs").mkdir(exist_ok=True)
+(state / "logs" / "b-026.log").write_text("engine noise\\nk3_x: counters equal, tokens equal\\n"
+                                         "1/1 shared points identical; throughput within\\n")
+"""
+STAGE_ENV = """case $(basename "$1") in
+  gpu026) echo "export BUNDLE=ok" ;;
+  ray) echo "export SPECLAB_RAY_SITE=/tmp/ray-site" ;;
+  *) echo "have 0 of 4 parts" >&2; exit 3 ;;
+esac
+"""
+
+
+def test_labd_takes_the_environment_of_every_stage_and_refuses_a_missing_one(tmp_path):
+    root = tree(tmp_path, "labd.sh", "jit.sh")
+    (root / "tools/gpu/unpack.sh").write_text(STAGE_ENV)
+    (root / "tools/gpu/lab.py").write_text(LAB_ENV)
+    out = tmp_path / "out"
+    out.mkdir()
+    env = {**os.environ, "HOME": str(tmp_path), "LABD": str(tmp_path / "labd"),
+           "LAB_STATE": str(tmp_path / "state"), "OUT": str(out),
+           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    start = lambda stages: subprocess.run(
+        ["bash", "tools/gpu/labd.sh", "start", stages, "0.26", "5", "a-026,b-026"], cwd=root,
+        env=env, capture_output=True, text=True, check=False)
+    r = start(".stage/gpu026,.stage/missing")
+    assert r.returncode == 3 and ".stage/missing incomplete" in r.stdout
+    assert not (tmp_path / "labd").exists()  # nothing started
+    r = start(".stage/gpu026,.stage/ray")
+    assert r.returncode == 0 and "labd pid" in r.stdout, r.stdout + r.stderr
+    r = subprocess.run(["bash", "tools/gpu/labd.sh", "collect", "60"], cwd=root, env=env,
+                       capture_output=True, text=True, check=False)
+    assert "labd ended" in r.stdout, r.stdout + r.stderr
+    assert (out / "driver.log").read_text().splitlines() == ["BUNDLE=ok RAY=/tmp/ray-site"]
+    assert r.stdout.splitlines()[-2:] == ["k3_x: counters equal, tokens equal",
+                                          "1/1 shared points identical; throughput within"]

@@ -2,10 +2,12 @@
 with GPUs declared on these GPU-less nodes standing in for real ones): tiny-cpu points through
 `speclab sweep --executor ray` give the local executor's counters and tokens exactly, run
 side by side with their own CUDA_VISIBLE_DEVICES, survive an interrupted driver and a node
-that dies mid-sweep (retry recorded); the cluster leaves no process behind."""
+that dies mid-sweep (retry recorded); the cluster leaves no process behind. The device's check
+of two such runs (tools/gpu/compare_counters.py) on run folders written here."""
 
 import json
 import os
+import runpy
 import signal
 import subprocess
 import sys
@@ -66,6 +68,58 @@ def test_failed_point_keeps_its_error(tmp_path):
     assert json.loads((tmp_path / "logs" / f"{p.id}.spec.json").read_text())["run_dir"] == \
         str(tmp_path)
     assert not (tmp_path / "points" / f"{p.id}.parquet").exists()
+
+
+def _run(run_dir: Path, counters: dict, tokens: list[int], tok_s: list[float]) -> Path:
+    """A run folder holding one ok k = 3 point: its counters, one request, timed passes."""
+    p = Point(k=3, draft_kv_cache_dtype="auto")
+    rec = store.RequestRecord(
+        point_id=p.id, k=3, kv_cache_dtype="auto", layout="tp1", prompt_format="raw",
+        repeat=0, concurrency=1, prompt_id="p0", category="c", output_token_ids=tokens,
+        n_output=len(tokens), step_tokens=[len(tokens)], step_times=[0.1], drafts=1,
+        draft_tokens=3, accepted=2, accepted_per_pos=[1, 1, 0])
+    store.write_point(run_dir, store.PointResult(
+        point_id=p.id, status="ok", point=p.model_dump(mode="json"), counters=counters,
+        throughput_tok_s=sum(tok_s) / len(tok_s),
+        passes=[{"round": i + 1, "tok_s": t} for i, t in enumerate(tok_s)]), [rec])
+    return run_dir
+
+
+COMPARE = runpy.run_path(str(Path(__file__).parents[1] / "tools/gpu/compare_counters.py"))
+
+
+def _compare(tmp_path, capsys, b_counters, b_tokens, b_tok_s):
+    c = {"num_drafts": 1, "num_draft_tokens": 3, "num_accepted_tokens": 2,
+         "accepted_per_pos": [1, 1, 0]}
+    a = _run(tmp_path / "a", c, [5, 6, 7], [100.0, 104.0, 96.0])
+    b = _run(tmp_path / "b", b_counters or c, b_tokens, b_tok_s)
+    out = tmp_path / "compare.json"
+    rc = COMPARE["main"]([str(a), str(b), "--out", str(out)])
+    return rc, capsys.readouterr().out, json.loads(out.read_text())
+
+
+def test_compare_counters_checks_counters_and_tokens_and_reports_throughput(tmp_path, capsys):
+    """tools/gpu/compare_counters.py (the Ray job's check): rc 1 on a counter or token
+    difference; throughput against each run's 95% interval (t over 3 rounds: 100 +- 9.9)
+    reported, within or outside, without failing."""
+    rc, out, rep = _compare(tmp_path / "same", capsys, None, [5, 6, 7], [101.0, 99.0, 103.0])
+    assert rc == 0, out
+    assert "counters equal, tokens equal; tok/s 100.0 [90.1, 109.9] vs 101.0 [96.0, 106.0] " \
+        "(3 and 3 rounds): within" in out
+    assert (rep["identical"], rep["within"]) == (1, 1)
+    assert rep["points"][0]["b"] == {"tok_s": 101.0, "lo": pytest.approx(96.03, abs=0.01),
+                                     "hi": pytest.approx(105.97, abs=0.01), "rounds": 3}
+    rc, out, rep = _compare(tmp_path / "slow", capsys, None, [5, 6, 7], [70.0, 71.0, 72.0])
+    assert rc == 0 and ": OUTSIDE" in out and rep["within"] == 0
+    rc, out, _ = _compare(tmp_path / "tokens", capsys, None, [5, 6, 8], [101.0, 99.0, 103.0])
+    assert rc == 1 and "tokens differ" in out
+    other = {"num_drafts": 1, "num_draft_tokens": 3, "num_accepted_tokens": 1,
+             "accepted_per_pos": [1, 0, 0]}
+    rc, out, rep = _compare(tmp_path / "counters", capsys, other, [5, 6, 7],
+                            [101.0, 99.0, 103.0])
+    assert rc == 1 and "!=" in out and rep["identical"] == 0
+    rc, out, _ = _compare(tmp_path / "one", capsys, None, [5, 6, 7], [101.0])
+    assert rc == 0 and "101.0 (3 and 1 rounds): no interval" in out
 
 
 # --------------------------------------------------------------------- a real cluster
@@ -147,6 +201,25 @@ def _wait(cond, timeout: float, what: str, proc: subprocess.Popen | None = None)
         assert proc is None or proc.poll() is None, f"driver exited ({proc.returncode}) " + what
         time.sleep(0.5)
     raise AssertionError(f"timed out: {what}")
+
+
+@pytest.mark.timeout(300)
+def test_ray_check_places_a_gpu_point_like_the_executor_and_reports_a_missing_module():
+    """tools/gpu/ray_check.py (the device's check of the Ray layer) on a Ray instance with a
+    GPU declared: the realshape-ray-h200 point gets its placement group's node, GPU 0 as
+    CUDA_VISIBLE_DEVICES and speclab in the task and its child; a module the task cannot
+    import fails the check."""
+    r = subprocess.run([sys.executable, "tools/gpu/ray_check.py", "--gpus", "1",
+                        "--modules", "json,no_such_module"], cwd=Path(__file__).parents[1],
+                       capture_output=True, text=True, timeout=240, check=False,
+                       env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
+    lines = r.stdout.splitlines()
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "ok   placed on the group's node" in lines
+    assert "ok   GPU ids ['0'], CUDA_VISIBLE_DEVICES 0" in lines
+    assert "FAIL speclab, json, no_such_module in the task" in lines
+    assert "FAIL speclab, json, no_such_module in its child" in lines
+    assert any("no_such_module: No module named 'no_such_module'" in x for x in lines)
 
 
 @pytest.mark.vllm

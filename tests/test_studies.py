@@ -5,18 +5,23 @@ with one line per problem."""
 
 import itertools
 import json
+import os
 import shlex
+import subprocess
 from pathlib import Path
 
 import pytest
 
-from speclab import profiles, studies
+from speclab import profiles, prompts, studies
+from speclab.fixtures import dsv4_layer_rig as LR
+from speclab.fixtures import dsv4_rigs as RG
+from speclab.fixtures import realshape as R
 
 ROOT = Path(__file__).resolve().parents[1]
 BEFORE = json.loads((ROOT / "tests/data/lab_plan.json").read_text())
 # studies added after the move (their jobs come after the captured ones), and studies whose
 # jobs changed since (left out on both sides; test_parity_jobs_cover_the_profile holds them)
-LATER = ("mtp",)
+LATER = ("mtp", "ray-realshape")
 CHANGED = ("parity",)
 LATER_FIXTURES = ("dial-dsv4-mtp", "dial-dsv4-mtp-eagle3")
 PY = "/opt/torch/.venv/bin/python3"  # the device's interpreter (the capture wrote {python})
@@ -82,7 +87,7 @@ def test_every_profile_and_script_a_job_names_exists():
         for w in words:
             if w.endswith(".py"):
                 assert (ROOT / w).is_file(), (j.name, w)
-    assert len(named) == 7
+    assert len(named) == 8
     for name in named:
         profiles.load(name)
 
@@ -91,7 +96,8 @@ def test_study_files_live_in_the_package():
     """Shipped in the wheel with the package (hatch's packages = src/speclab)."""
     assert studies.STUDY_DIR.parent == Path(studies.__file__).parent
     assert [s.name for s in studies.load_studies()] == ["dsv4-overlay", "layer-rig",
-                                                        "convention", "parity", "mtp"]
+                                                        "convention", "parity", "mtp",
+                                                        "ray-realshape"]
 
 
 def _study(tmp_path, text: str):
@@ -198,3 +204,75 @@ def test_also_copies_a_studys_jobs_to_another_release():
         ("b-026", "0.26", ("a-026",))]
     with pytest.raises(ValueError):
         studies.Study(name="s", order=1, also=["0.26.1"])
+
+
+STUB = """#!/bin/bash
+echo "$* | $PYTHONPATH" >> "$CALLS"
+[ "$3" != sweep ] || exit "${SWEEP_RC:-0}"
+"""
+
+
+def test_ray_realshape_sweeps_locally_then_on_ray_with_its_layer_and_compares(tmp_path):
+    """Study ray-realshape (issue 23 item 5) run with a stand-in interpreter that records its
+    argv and PYTHONPATH: k = 3 on both executors, then plain, each job after the one before;
+    a local job builds the fixtures in a process of its own, then sweeps without Ray on its
+    path; a Ray job stops before anything runs when no Ray layer was unpacked, else sweeps the
+    same points with --executor ray, the Ray layer last on PYTHONPATH, and compares the two
+    run folders; a failed sweep skips the comparison."""
+    stub = tmp_path / "python"
+    stub.write_text(STUB)
+    stub.chmod(0o755)
+    plan = studies.plan("S", str(stub))
+    jobs = [j for j in plan.jobs if j.study == "ray-realshape"]
+    assert [(j.name, j.after) for j in jobs] == [
+        ("realshape-local-k3-026", ()), ("ray-realshape-k3-026", ("realshape-local-k3-026",)),
+        ("realshape-local-k0-026", ("ray-realshape-k3-026",)),
+        ("ray-realshape-k0-026", ("realshape-local-k0-026",))]
+    assert all(j.vllm == "0.26" and j.exclusive for j in jobs)
+    base = {k: v for k, v in os.environ.items() if k != "SPECLAB_RAY_SITE"}
+
+    def run(job, **env):
+        calls = tmp_path / "calls"
+        calls.unlink(missing_ok=True)
+        r = subprocess.run(job.cmd, env={**base, **job.env, "CALLS": str(calls),
+                                         "PYTHONPATH": "/bundle/site", **env},
+                           capture_output=True, text=True, check=False)
+        return r.returncode, calls.read_text().splitlines() if calls.exists() else []
+
+    run_a, run_b = "data/runs/h200-realshape-sweep-S", "data/runs/h200-realshape-sweep-S-ray"
+    compare = f"tools/gpu/compare_counters.py {run_a} {run_b} --out {run_b}/compare.json"
+    for local, ray, k in ((jobs[0], jobs[1], "k3_*"), (jobs[2], jobs[3], "k0_*")):
+        sweep = f"-m speclab sweep --profile realshape-ray-h200 --run-id {run_a[10:]}"
+        assert run(local, SPECLAB_RAY_SITE="/ray") == (0, [
+            "-m speclab fixtures build realshape-dsv4-eagle3 | /bundle/site",
+            f"{sweep} --only {k} | /bundle/site"])
+        rc, calls = run(ray)
+        assert rc != 0 and calls == []
+        assert run(ray, SPECLAB_RAY_SITE="/ray") == (0, [
+            f"{sweep}-ray --executor ray --only {k} | /bundle/site:/ray",
+            f"{compare} | /bundle/site:/ray"])
+        assert run(ray, SPECLAB_RAY_SITE="/ray", SWEEP_RC="1") == (
+            1, [f"{sweep}-ray --executor ray --only {k} | /bundle/site:/ray"])
+        assert ray.env == {"RAY_USAGE_STATS_ENABLED": "0"} and ray.runs == [run_b[10:], run_a[10:]]
+
+
+def test_ray_realshapes_profile_runs_batch_1_graphs_within_the_draft_vocabulary():
+    """Its profile (realshape-ray-h200): plain and k = 3 at batch 1 with CUDA graphs and 3+
+    timed passes on the 4-layer real-shape pair; every prompt is 256 ids (a power of two: a
+    warmed mHC prefill) whose greedy continuation of max_tokens (+ k and the reference's extra
+    tokens) stays in the draft vocabulary, so the oracle can draft at every position."""
+    prof = profiles.load("realshape-ray-h200")
+    assert [p.id for p in profiles.expand(prof)] == ["k0_kv-fp8_tp1_raw",
+                                                     "k3_kv-fp8_dkv-auto_tp1_raw"]
+    assert (prof.target, prof.draft) == ("fixture:realshape-dsv4",
+                                         "fixture:realshape-dsv4-eagle3")
+    assert R.TARGET_DEFAULTS["num_layers"] == 4 and prof.timed_passes >= 3
+    assert prof.engine["max_num_seqs"] == 1 and prof.engine["enforce_eager"] is False
+    succ, _ = RG.dial_successors(R.REAL_CONFIG["vocab_size"], 0, R.TARGET_DEFAULTS["mismatch"])
+    k = max(prof.grid.num_speculative_tokens)
+    rows = prompts.load(profiles.prompt_file(prof))
+    assert len(rows) == 4
+    for row in rows:
+        ids = row.prompt_token_ids
+        cont = R.greedy(succ.tolist(), ids, prof.max_tokens + k + LR.EXTRA_TOKENS)
+        assert len(ids) == 256 and max(*ids, *cont) < R.DRAFT_VOCAB, row.id

@@ -2,9 +2,12 @@
 # lab.py detached: it keeps running between device calls while the machine stays warm, so a
 # job longer than one call is not cut at each call's end (a point in flight is not lost).
 #   bash tools/gpu/labd.sh start STAGE RELEASE MINUTES JOBS [LAB_ARGS]   e.g. .stage/gpu026 0.26 22
-#        mtp-026 (JOBS: comma-separated; LAB_ARGS go to lab.py, e.g. --slots 2)
+#        mtp-026 (JOBS: comma-separated; LAB_ARGS go to lab.py, e.g. --slots 2; STAGE: the
+#        bundle's, then any more, comma-separated, e.g. .stage/gpu026,.stage/ray for the Ray
+#        layer: unpack.sh's environment of each, in that order)
 #   bash tools/gpu/labd.sh collect SECONDS                   wait (returns early when lab.py
-#        is done), then copy results.tar.gz, summary.json, driver.log, JIT caches to $OUT
+#        is done), then copy results.tar.gz, summary.json, driver.log, JIT caches to $OUT,
+#        and print the driver log's tail and the checks' verdicts (mtp, compare_counters)
 # The device copies the working tree afresh for every call and drops untracked files, so the
 # detached lab.py runs from a copy of the tree in $LABD (default /tmp/speclab_labd), with the
 # bundle's environment and the carried JIT caches (jit.sh load). lab.py is run again while a
@@ -18,7 +21,11 @@ case "${1:-}" in
 start)
   stage=${2:?stage} rel=${3:?release} minutes=${4:?minutes} jobs=${5:?jobs}
   shift 5; extra=""; [ $# -gt 0 ] && extra=$(printf ' %q' "$@")
-  envs=$(bash tools/gpu/unpack.sh "$stage") || { echo "bundle incomplete (rc $?)"; exit 3; }
+  envs=""
+  for st in ${stage//,/ }; do
+    e=$(bash tools/gpu/unpack.sh "$st") || { echo "$st incomplete (rc $?)"; exit 3; }
+    envs+=$e$'\n'
+  done
   mkdir -p "$LABD/repo" "$LABD/out"
   tar --exclude=./.stage --exclude=./.git -cf - . | tar -xf - -C "$LABD/repo"
   bash tools/gpu/jit.sh load "vllm${rel//./}"
@@ -50,7 +57,10 @@ collect)
   tail -n 100 "$LABD/labd.out" > "$OUT/labd.out" 2>/dev/null
   grep -q "^labd done" "$LABD/labd.out" && echo "labd ended" || echo "labd still running"
   tail -n 30 "$LABD/out/driver.log"
-  cat "$LABD"/repo/data/runs/*/mtp_check.json 2>/dev/null | head -60 ;;
+  cat "$LABD"/repo/data/runs/*/mtp_check.json 2>/dev/null | head -60
+  # compare_counters.py's verdicts (the Ray jobs): its lines end with this summary
+  grep -h -B 4 "shared points identical" "${LAB_STATE:-/tmp/speclab_lab}"/logs/*.log \
+    2>/dev/null | tail -n 20 ;;
 *)
   sed -n 2,6p "$0"; exit 2 ;;
 esac

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Build one of speclab's vLLM bundles for the offline H200 device, on the CPU machine.
+# Build one of speclab's vLLM bundles for the offline H200 device, on the CPU machine, or
+# (--ray) the Ray layer that `speclab sweep --executor ray` needs there.
 #
 # What it makes: STAGE/p1, p2, ... (one folder per part, each with the part file
 # `part` and a copy of MANIFEST), plus STAGE/MANIFEST. Each part is at most
@@ -13,11 +14,17 @@
 # a real site dir, so .pth files in it work) and a `bin/vllm` launcher. See
 # tools/gpu/README.md.
 #
-# Usage: tools/gpu/pack.sh [--vllm 0.22.0] [--out DIR] [--arch 90] [--part-mib 42]
+# The Ray layer (--ray): tools/gpu/requirements-ray.txt (Ray and msgpack), pruned to Ray's
+# core, one layer whose manifest says `kind ray`; unpack.sh then exports SPECLAB_RAY_SITE
+# instead of a bundle's environment (README "Ray on the device").
+#
+# Usage: tools/gpu/pack.sh [--vllm 0.22.0 | --ray] [--out DIR] [--arch 90] [--part-mib 42]
 #                          [--tree-only | --resplit | --from-cache]
 #   --vllm X.Y.Z  the release: reads requirements-vllm0YY.txt (0.22.0, 0.26.0)
+#   --ray         the Ray layer instead of a vLLM bundle
 #   --out DIR     where the parts go (default: <repo>/.stage/gpu for 0.22.0, whose
-#                 parts predate the option, <repo>/.stage/gpu0YY for the others)
+#                 parts predate the option, <repo>/.stage/gpu0YY for the others,
+#                 <repo>/.stage/ray for --ray)
 #   --arch N      GPU arch whose code is kept in the CUDA fat binaries (90 = H100/H200)
 #   --part-mib N  part size limit in MiB (default 42)
 #   --tree-only   stop after laying out and pruning the tree (for check_bundle.py)
@@ -27,7 +34,8 @@
 #                 (LAYER_CACHE, below) into parts: a machine that packed before
 #                 re-makes .stage without downloading or compressing (seconds)
 # Env: WORK (default /tmp/speclab_gpu_pack for 0.22.0, /tmp/speclab_gpu_pack0YY
-#      otherwise): wheel cache ($WORK/whl, reused) and the tree ($WORK/tree/site).
+#      otherwise, /tmp/speclab_gpu_pack_ray for --ray): wheel cache ($WORK/whl, reused)
+#      and the tree ($WORK/tree/site).
 #      VLLM_WHEEL_DIR (default /tmp/wheels/v22): a folder that may already hold the
 #      vLLM wheel, like ${SPECLAB_CACHE:-~/.cache/speclab}/wheels (copied, not
 #      downloaded). XZ_THREADS (default 2). XZ_PRESET (default 9e; 6 compresses
@@ -37,7 +45,8 @@ set -euo pipefail
 
 HERE=$(cd "$(dirname "$0")" && pwd)
 REPO=$(cd "$HERE/../.." && pwd)
-VLLM=0.22.0
+VLLM=""
+RAY=0
 OUT=""
 ARCH=90
 PART_MIB=42
@@ -47,24 +56,38 @@ FROM_CACHE=0
 while [ $# -gt 0 ]; do
   case $1 in
     --vllm) VLLM=$2; shift 2 ;;
+    --ray) RAY=1; shift ;;
     --out) OUT=$2; shift 2 ;;
     --arch) ARCH=$2; shift 2 ;;
     --part-mib) PART_MIB=$2; shift 2 ;;
     --tree-only) TREE_ONLY=1; shift ;;
     --resplit) RESPLIT=1; shift ;;
     --from-cache) FROM_CACHE=1; shift ;;
-    -h|--help) sed -n '2,33p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,/^# Needs:/p' "$0"; exit 0 ;;
     *) echo "unknown option: $1" >&2; exit 2 ;;
   esac
 done
-[[ $VLLM =~ ^0\.([0-9]+)\.[0-9]+$ ]] || { echo "--vllm wants a release like 0.26.0, got $VLLM" >&2; exit 2; }
-TAG=0${BASH_REMATCH[1]}
-REQS=$HERE/requirements-vllm$TAG.txt
-SHARED_REQS=$HERE/requirements-shared.txt
-[ -f "$REQS" ] || { echo "no $REQS: no bundle recipe for vLLM $VLLM" >&2; exit 2; }
-grep -qx "vllm==$VLLM" "$REQS" || { echo "$REQS does not pin vllm==$VLLM" >&2; exit 2; }
-if [ "$TAG" = 022 ]; then SUFFIX=""; else SUFFIX=$TAG; fi
-OUT=${OUT:-$REPO/.stage/gpu$SUFFIX}
+pins() { { grep -Ev '^\s*(#|$)' "$1" || true; } | sed 's/\s*#.*//'; }
+if [ "$RAY" = 1 ]; then
+  [ -z "$VLLM" ] || { echo "--ray and --vllm: one at a time" >&2; exit 2; }
+  REQS=$HERE/requirements-ray.txt
+  SHARED_REQS=/dev/null  # one layer, no shared one
+  RAYVER=$(pins "$REQS" | sed -n 's/^ray==//p')
+  LAYERS=("ray$RAYVER")
+  SUFFIX=_ray
+  OUT=${OUT:-$REPO/.stage/ray}
+else
+  VLLM=${VLLM:-0.22.0}
+  [[ $VLLM =~ ^0\.([0-9]+)\.[0-9]+$ ]] || { echo "--vllm wants a release like 0.26.0, got $VLLM" >&2; exit 2; }
+  TAG=0${BASH_REMATCH[1]}
+  REQS=$HERE/requirements-vllm$TAG.txt
+  SHARED_REQS=$HERE/requirements-shared.txt
+  [ -f "$REQS" ] || { echo "no $REQS: no bundle recipe for vLLM $VLLM" >&2; exit 2; }
+  grep -qx "vllm==$VLLM" "$REQS" || { echo "$REQS does not pin vllm==$VLLM" >&2; exit 2; }
+  LAYERS=(shared "vllm$VLLM")
+  if [ "$TAG" = 022 ]; then SUFFIX=""; else SUFFIX=$TAG; fi
+  OUT=${OUT:-$REPO/.stage/gpu$SUFFIX}
+fi
 WORK=${WORK:-/tmp/speclab_gpu_pack$SUFFIX}
 VLLM_WHEEL_DIR=${VLLM_WHEEL_DIR:-/tmp/wheels/v22}
 XZ_THREADS=${XZ_THREADS:-2}
@@ -73,6 +96,8 @@ PY=${PYTHON:-python3}
 export PIP_ROOT_USER_ACTION=ignore
 T0=$(date +%s)
 step() { echo "== [$(( $(date +%s) - T0 ))s] $*"; }
+# What unpack.sh is given: a vLLM bundle for one GPU arch, or the Ray layer.
+kind_line() { if [ "$RAY" = 1 ]; then echo "kind ray"; else echo "arch sm_$ARCH"; fi; }
 
 # Cut the layer archives DIR/layer.NAME.tar.xz (names in DIR/layers, in order)
 # into parts OUT/pK/part, each layer on its own parts (so a layer's parts are
@@ -151,7 +176,7 @@ if [ "$FROM_CACHE" = 1 ]; then
   LAYER_CACHE=${LAYER_CACHE:-${SPECLAB_CACHE:-$HOME/.cache/speclab}/gpu-layers}
   TMP=$(mktemp -d)
   trap 'rm -rf "$TMP"' EXIT
-  for name in shared "vllm$VLLM"; do
+  for name in "${LAYERS[@]}"; do
     f=$(ls -t "$LAYER_CACHE/$name"-*.tar.xz 2>/dev/null | head -n 1)
     [ -n "$f" ] || { echo "--from-cache: no $name layer in $LAYER_CACHE (run a full pack)" >&2; exit 2; }
     xz -t "$f" || { echo "--from-cache: $f is damaged" >&2; exit 1; }
@@ -159,9 +184,8 @@ if [ "$FROM_CACHE" = 1 ]; then
     echo "$name" >> "$TMP/layers"
     step "layer $name: $f"
   done
-  pins() { grep -Ev '^\s*(#|$)' "$1" | sed 's/\s*#.*//'; }
   {
-    echo "arch sm_$ARCH"
+    kind_line
     echo "created $(date -u +%Y-%m-%dT%H:%M:%SZ) (from the layer cache)"
     { pins "$SHARED_REQS"; pins "$REQS"; } | sed 's/^/wheel /'
   } > "$TMP/manifest.info"
@@ -172,7 +196,6 @@ fi
 # ---------------------------------------------------------------------------
 step "1/6 wheels -> $WORK/whl (cached)"
 mkdir -p "$WORK/whl"
-pins() { grep -Ev '^\s*(#|$)' "$1" | sed 's/\s*#.*//'; }
 pins "$SHARED_REQS" > "$WORK/shared_reqs.txt"
 { cat "$WORK/shared_reqs.txt"; pins "$REQS"; } > "$WORK/reqs.txt"
 DUP=$(sed 's/==.*//' "$WORK/reqs.txt" | tr 'A-Z_.' 'a-z--' | sort | uniq -d)
@@ -266,6 +289,15 @@ du -sh "$S"
 step "3/6 prune"
 # Console scripts: their shebangs point at this machine's python. We ship our own bin/vllm.
 rm -rf "$S/bin"
+prune_ray() {
+  # Ray's libraries on top of its core (RLlib, Tune, Train, Serve, Data, LLM, Workflows),
+  # the Java jar (cross-language workers) and the dashboard's web client: the Ray executor
+  # uses the core only (ray.init, tasks, placement groups: src/speclab/executor_ray.py) and
+  # starts no dashboard. Ray 2.60.0's ray/__init__.py imports data, workflow and autoscaler
+  # lazily (its module __getattr__), so their absence costs nothing at import.
+  rm -rf "$S"/ray/{rllib,tune,train,serve,data,llm,workflow,jars,dashboard/client}
+}
+prune_vllm() {
 # vLLM: the Rust API-server frontend (not used by `vllm serve`'s Python server),
 # DeepGEMM's extension for other Pythons, and FA2 (Hopper runs FA3; FA2 only
 # matters for ALiBi and similar, and for pre-Hopper GPUs).
@@ -290,6 +322,8 @@ rm -rf "$S/pycountry/locales"
 # 36 MB); vLLM imports mistral_common for its classes only and reads a Mistral
 # model's tokenizer from the model folder.
 rm -rf "$S/mistral_common/data"
+}
+if [ "$RAY" = 1 ]; then prune_ray; else prune_vllm; fi
 find "$S" -name __pycache__ -prune -exec rm -rf {} +
 # pip's direct_url.json holds this machine's wheel path (and RECORD its hash): both go,
 # so that the same wheels give the same bytes whatever WORK is (the shared layer).
@@ -299,12 +333,14 @@ sed -i '/\.dist-info\/direct_url\.json,/d' "$S"/*.dist-info/RECORD
 # vLLM's own files are handled by prune_fatbin; cutlass-dsl's are already stripped.
 find "$S" -name '*.so*' -type f ! -path "$S/vllm/*" ! -path "$S/nvidia_cutlass_dsl/*" \
   -exec strip --strip-debug {} + 2>/dev/null || true
-# GPU code for other archs, in every fat binary (sm_$ARCH SASS, else PTX).
-find "$S" -name '*.so*' -type f ! -path "$S/nvidia_cutlass_dsl/*" -print0 \
+# GPU code for other archs, in every fat binary (sm_$ARCH SASS, else PTX); Ray has none.
+[ "$RAY" = 1 ] || find "$S" -name '*.so*' -type f ! -path "$S/nvidia_cutlass_dsl/*" -print0 \
   | xargs -0 "$PY" "$HERE/prune_fatbin.py" "$ARCH" | tail -n 1
 
 # ---------------------------------------------------------------------------
 step "4/6 add speclab files"
+# The Ray layer is plain PYTHONPATH entries after a bundle's site dir (which has these).
+if [ "$RAY" = 0 ]; then
 cp "$HERE/sitecustomize.py" "$S/sitecustomize.py"
 mkdir -p "$S/bin"
 cat > "$S/bin/vllm" <<'EOF'
@@ -313,6 +349,7 @@ cat > "$S/bin/vllm" <<'EOF'
 exec "${PYTHON:-python3}" -c 'import sys; from vllm.entrypoints.cli.main import main; sys.argv[0] = "vllm"; sys.exit(main())' "$@"
 EOF
 chmod +x "$S/bin/vllm"
+fi
 # Identical files (e.g. CUTLASS headers in DeepGEMM and TileLang) become hard
 # links: tar stores the second copy as a link; both are real files again on
 # extraction.
@@ -337,12 +374,13 @@ du -sh "$S"
 if [ "$TREE_ONLY" = 1 ]; then step "tree ready: $S (--tree-only)"; exit 0; fi
 
 # ---------------------------------------------------------------------------
-step "5/6 two layers, each tar | xz --x86 -$XZ_PRESET (threads: $XZ_THREADS)"
+step "5/6 ${#LAYERS[@]} layer(s), each tar | xz --x86 -$XZ_PRESET (threads: $XZ_THREADS)"
 # Layer `shared`: the top-level entries of site/ that only distributions of
 # requirements-shared.txt own (their RECORDs say which). Layer `vllm$VLLM`: all
 # the rest, speclab's files included. Member order within a layer: directories,
 # then files grouped by kind (ELF binaries, then text by extension, then the
-# rest), so that similar bytes sit close together in the xz window.
+# rest), so that similar bytes sit close together in the xz window. --ray: one layer, all
+# of site/ (no shared requirements: every entry is "own").
 # Deterministic: fixed owner and mtime, so the shared layer's archive is the same
 # bytes in every bundle built from the same commit. Each layer is compressed once
 # and kept in $LAYER_CACHE by the sha256 of its tar stream (a re-run whose layer
@@ -411,15 +449,19 @@ layer() {  # $1: member list (shared, own), $2: layer name in the bundle
   cp "$cached" "$WORK/out/layer.$2.tar.xz"
   echo "$2" >> "$WORK/out/layers"
 }
-layer shared shared
-layer own "vllm$VLLM"
+if [ "$RAY" = 1 ]; then
+  layer own "${LAYERS[0]}"
+else
+  layer shared shared
+  layer own "vllm$VLLM"
+fi
 ls -l "$WORK"/out/layer.*
 
 # ---------------------------------------------------------------------------
 step "6/6 split into ${PART_MIB} MiB parts -> $OUT"
 {
   echo "unpacked_bytes $(du -sb "$S" | cut -f1)"
-  echo "arch sm_$ARCH"
+  kind_line
   echo "created $(date -u +%Y-%m-%dT%H:%M:%SZ)"
   sed 's/^/wheel /' "$WORK/reqs.txt"
 } > "$WORK/out/manifest.info"

@@ -5,8 +5,9 @@
 # Usage (from the repo root, on the device):
 #   eval "$(bash tools/gpu/unpack.sh [STAGE])" || exit 9
 #     STAGE: where the carried parts are (default .stage/gpu, the vLLM 0.22.0
-#     bundle; .stage/gpu026 is 0.26.0). It holds p1/, p2/, ..., each with `part`
-#     and `MANIFEST`. Carry one or more pK per call.
+#     bundle; .stage/gpu026 is 0.26.0; .stage/ray the Ray layer, pack.sh --ray).
+#     It holds p1/, p2/, ..., each with `part` and `MANIFEST`. Carry one or more pK
+#     per call.
 #
 # Parts are stashed by their sha256 in $SPECLAB_PARTS (default /tmp/speclab_parts),
 # which lasts while the machine stays warm, so a part that two bundles share (the
@@ -14,13 +15,16 @@
 # checked against MANIFEST. When all of a bundle's parts are there, the whole is
 # checked and extracted to $SPECLAB_DEST/site; SPECLAB_DEST defaults to
 # ${SPECLAB_DEST_ROOT:-/tmp}/speclab_site plus STAGE's name after "gpu"
-# (/tmp/speclab_site for .stage/gpu, /tmp/speclab_site026 for .stage/gpu026), so
+# (/tmp/speclab_site for .stage/gpu, /tmp/speclab_site026 for .stage/gpu026), or
+# plus "_" and the name for another STAGE (/tmp/speclab_site_ray for .stage/ray), so
 # bundles live side by side. A later
 # call for the same STAGE finds the extraction and only prints the environment (no
 # parts need to be carried then).
 #
 # stdout: export lines only (for eval), for the bundle asked; use one bundle per
-# shell (a subshell each), PYTHONPATH loses any other bundle's site dir.
+# shell (a subshell each), PYTHONPATH loses any other bundle's site dir. The Ray layer
+# (manifest `kind ray`) prints only SPECLAB_RAY_SITE, its folder, which the job that
+# uses Ray appends to PYTHONPATH after the bundle's site dir (studies/*.yaml).
 # Messages go to stderr.
 # Exit: 0 ready; 3 parts still missing ("have i of n parts"); 1 bad part/bundle;
 #       2 no manifest found.
@@ -28,7 +32,8 @@ set -euo pipefail
 STAGE=${1:-.stage/gpu}
 NAME=$(basename "$STAGE")
 STASH=${SPECLAB_PARTS:-/tmp/speclab_parts}
-DEST=${SPECLAB_DEST:-${SPECLAB_DEST_ROOT:-/tmp}/speclab_site${NAME#gpu}}
+case $NAME in gpu*) SUFFIX=${NAME#gpu} ;; *) SUFFIX=_$NAME ;; esac
+DEST=${SPECLAB_DEST:-${SPECLAB_DEST_ROOT:-/tmp}/speclab_site$SUFFIX}
 log() { echo "unpack: $*" >&2; }
 field() { awk -v k="$1" '$1 == k { print $2; exit }' "$2"; }
 
@@ -43,10 +48,14 @@ done
 SHA=$(field bundle_sha256 "$MAN")
 N=$(field nparts "$MAN")
 VLLM=$(awk '$1 == "wheel" && $2 ~ /^vllm==/ { sub("vllm==", "", $2); print $2; exit }' "$MAN")
+KIND=$(field kind "$MAN")  # ray: the Ray layer; none: a vLLM bundle
+WHAT=${VLLM:+vLLM $VLLM}
+[ "$KIND" = ray ] && WHAT=$(awk '$1 == "wheel" && $2 ~ /^ray==/ { sub("==", " ", $2); print $2; exit }' "$MAN")
 part_sha() { awk -v k="$1" '$1 == "part" && $2 == k { print $3 }' "$MAN"; }
 
 print_env() {
   local site=$DEST/site py_site keep
+  if [ "$KIND" = ray ]; then echo "export SPECLAB_RAY_SITE=$site"; return; fi
   py_site=$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])' 2>/dev/null || true)
   # The bundle dir goes first on PYTHONPATH; its sitecustomize.py runs
   # site.addsitedir() on it in every Python process that inherits this
@@ -70,7 +79,7 @@ print_env() {
 
 # Already extracted from this very bundle: nothing to do.
 if [ -f "$DEST/.bundle_sha256" ] && [ "$(cat "$DEST/.bundle_sha256")" = "$SHA" ] && [ -d "$DEST/site" ]; then
-  log "bundle ${SHA:0:12} (vLLM $VLLM) already extracted in $DEST/site"
+  log "bundle ${SHA:0:12} ($WHAT) already extracted in $DEST/site"
   print_env; exit 0
 fi
 cp -f "$MAN" "$STASH/MANIFEST.$NAME" 2>/dev/null || true
@@ -116,5 +125,5 @@ cp "$MAN" "$DEST.tmp/MANIFEST"
 echo "$SHA" > "$DEST.tmp/.bundle_sha256"
 rm -rf "$DEST"
 mv "$DEST.tmp" "$DEST"
-log "extracted bundle ${SHA:0:12} (vLLM $VLLM, $N parts) to $DEST/site in $(( $(date +%s) - t0 ))s"
+log "extracted bundle ${SHA:0:12} ($WHAT, $N parts) to $DEST/site in $(( $(date +%s) - t0 ))s"
 print_env

@@ -131,13 +131,14 @@ display(Markdown("\n".join(f"- {line}" for line in lines)))
 settings = [parity.settings(prof, name, **dict(o)) for name, o in reanalyses.items()]
 others = [parity.analyze(plan, recs, pts, st, rescored=rescored,
                          expected=parity.expected_for(st, expected, run_dir)) for st in settings]
+powers = {}
 for a in others:
     display(Markdown(f"**{a.settings.describe()}**"))
     cols = ["arm", "status", "n", "exact", *parity.KIND_COLUMNS, "acceptance_rate",
             "expected_rate", "flagged_acceptance", "flagged"]
     display(a.summary[[c for c in cols if c in a.summary]]
             if len(a.summary) and "n" in a.summary else a.summary)
-    a_pw = parity.power(a.summary)
+    a_pw = powers[a.settings.name] = parity.power(a.summary)
     if len(a_pw):
         display(a_pw)
         fig = plots.detection_power(a_pw, a.settings.near_tie, a.floor["floor"],
@@ -150,8 +151,8 @@ record(parity=result.summary.to_dict("records"), findings=lines, near_tie=prereg
        resolution=res, self_flips=flips.to_dict("records"),
        reanalyses={a.settings.name: {
            "settings": a.settings.describe(), "parity": a.summary.to_dict("records"),
-           "noise": a.floor, "power": parity.power(a.summary).to_dict("records"),
-           "resolution": {by: parity.resolution(parity.power(a.summary), a.settings.detect_share,
-                                                by)
+           "noise": a.floor, "power": powers[a.settings.name].to_dict("records"),
+           "resolution": {by: parity.resolution(powers[a.settings.name],
+                                                a.settings.detect_share, by)
                           for by in ("flagged_parity", "flagged_acceptance", "flagged")}}
            for a in others})

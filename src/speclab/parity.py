@@ -427,8 +427,8 @@ def expected_for(st: Settings, reference: dict | None, run_dir: Path | str) -> d
     the run's plain-path file (None when the run has none: acceptance is then not judged)."""
     if st.expected_from == "reference":
         return reference
-    return load_expected(Path(run_dir) / PLAIN_PATH_FILE
-                         if (Path(run_dir) / PLAIN_PATH_FILE).exists() else None)
+    path = Path(run_dir) / PLAIN_PATH_FILE
+    return load_expected(path if path.exists() else None)
 
 
 def acceptance(points: pd.DataFrame, point_id: str, k: int, expected: dict | None) -> dict:

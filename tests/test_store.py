@@ -114,3 +114,19 @@ def test_multipass_sets_a_changed_profile_aside(tmp_path):
     assert store.load_profile(tmp_path).max_tokens == new.max_tokens
     (kept,) = (tmp_path / "superseded").glob("*/profile.json")
     assert json.loads(kept.read_text())["max_tokens"] == old.max_tokens
+
+
+def test_results_set_aside_within_one_second_are_all_kept(tmp_path):
+    """Two sweeps in the same second (forked workers take well under one) set aside under
+    the same time stamp: neither overwrites the other."""
+    for wall in (1.0, 2.0):
+        store.write_point(tmp_path, _result(wall_s=wall), [_request()])
+        store.set_aside(tmp_path, "k0_kv-auto_tp1_raw", "t0")
+    kept = sorted((tmp_path / "superseded").glob("*/k0_kv-auto_tp1_raw.json"))
+    assert [p.parent.name for p in kept] == ["t0", "t0-2"]
+    assert {json.loads(p.read_text())["wall_s"] for p in kept} == {1.0, 2.0}
+    old = profiles.load("tiny-cpu")
+    for n in (1, 2, 3):
+        store.save_profile(profiles.load("tiny-cpu", {"max_tokens": old.max_tokens + n}),
+                           tmp_path, "t0")
+    assert len(list((tmp_path / "superseded").glob("*/profile.json"))) == 2

@@ -371,10 +371,12 @@ sweep.run(profiles.load(sys.argv[1]), sys.argv[2])
 """
 
 
+@pytest.mark.parametrize("fork", ["1", "0"], ids=["forked", "python-m"])
 def test_a_killed_sweep_takes_its_worker_and_the_workers_children_along(prof_path, tmp_path,
-                                                                       fake):
+                                                                       fake, fork):
+    """The worker forked from a zygote (CPU backend) or started with `python -m`."""
     run_dir = tmp_path / "run"
-    env = {**os.environ, "TRUST_SLEEP": "60", "TRUST_CHILD": "1"}
+    env = {**os.environ, "TRUST_SLEEP": "60", "TRUST_CHILD": "1", launch.FORK_ENV: fork}
     parent = subprocess.Popen([sys.executable, "-c", SWEEP, str(prof_path), str(run_dir),
                                "trust_worker"], env=env)
     assert wait_for(lambda: starts(fake) and len(processes_naming(str(run_dir))) >= 3, 120)

@@ -166,6 +166,14 @@ def _defer_iri_grammar() -> None:
     sys.modules[IRI_GRAMMAR] = stub
 
 
+def preload() -> None:
+    """Import what `open_llm` and a worker import (vLLM's offline entry point and engine), as
+    they import it: for a process that forks workers (`launch.Zygote`)."""
+    _defer_iri_grammar()
+    import vllm  # noqa: F401
+    from vllm import LLM, SamplingParams  # noqa: F401
+
+
 @contextmanager
 def open_llm(args: dict[str, Any]) -> Iterator[Any]:
     """A `vllm.LLM` that is shut down and freed (GPU memory included) on exit.

@@ -6,24 +6,35 @@ join it) and is tied to its parent twice: the kernel sends it SIGTERM when the p
 (Linux `PR_SET_PDEATHSIG`, set before exec), and a Python child calls `guard_parent` first,
 which turns that SIGTERM (or a parent found gone by its watchdog) into the end of its whole
 group. `stop` is the one kill ladder. `run_point` and `timing_round` run one point in a
-worker (`python -m speclab.worker SPEC`) and record its failure when it wrote no result."""
+worker (`python -m speclab.worker SPEC`) and record its failure when it wrote no result.
+
+On the CPU backend a job is forked from a `Zygote` instead: a process that imported the job's
+module (and vLLM, through the module's `preload()`) once, under the job's environment. Each
+job still runs in a fresh process of its own with a fresh engine; only the imports (~10 s a
+process on two cores) are shared. `SPECLAB_FORK=0` starts every job with `python -m`."""
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import gc
+import importlib
 import json
 import logging
 import os
 import re
+import select
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+import traceback
+from collections import OrderedDict
 from contextlib import contextmanager
 from pathlib import Path
-from typing import IO, Callable, Iterator, NoReturn
+from typing import IO, Callable, ClassVar, Iterator, NoReturn
 
 from speclab import fingerprint, methods, store
 from speclab.profiles import Point, Profile, resolve_model
@@ -88,19 +99,246 @@ def stop(proc: subprocess.Popen, interrupt_s: float = 0) -> None:
 
 
 def run_module(module: str, spec: dict, spec_path: Path, log_path: Path,
-               env: dict[str, str], timeout: float) -> str | None:
+               env: dict[str, str], timeout: float, *, fork: bool = False) -> str | None:
     """`python -m module SPEC` on `spec` (with this process as its parent_pid, written to
     spec_path: kept, it reruns the job by hand), output to log_path; None, or why it did not
-    finish ("exited with N", "timeout after N s")."""
+    finish ("exited with N", "timeout after N s"). fork: fork the job from the `Zygote` of
+    (module, environment) instead, unless $SPECLAB_FORK is "0" or the zygote cannot start."""
     store.atomic_write(spec_path, json.dumps({**spec, "parent_pid": os.getpid()}))
     env = {**os.environ, **env, "PYTHONUNBUFFERED": "1"}
-    with open(log_path, "wb") as log_f, \
-            child([sys.executable, "-m", module, str(spec_path)], log_f, env) as proc:
+    zygote = Zygote.of(module, env, timeout) if fork and env.get(FORK_ENV) != "0" else None
+    with _job(zygote, module, spec_path, log_path, env) as proc:
         try:
             rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             return f"timeout after {timeout:.0f} s"
     return None if rc == 0 else f"exited with {rc}"
+
+
+@contextmanager
+def _job(zygote: Zygote | None, module: str, spec_path: Path, log_path: Path,
+         env: dict[str, str]) -> Iterator[subprocess.Popen | Forked]:
+    if zygote is None:
+        with open(log_path, "wb") as log_f, \
+                child([sys.executable, "-m", module, str(spec_path)], log_f, env) as proc:
+            yield proc
+        return
+    proc = zygote.fork(spec_path, log_path, env)
+    try:
+        yield proc
+    finally:
+        stop(proc)
+
+
+# --------------------------------------------------------------------- forked jobs
+FORK_ENV = "SPECLAB_FORK"  # "0": start every job with `python -m`, never from a zygote
+# Set by pytest per test phase; a zygote's child gets the job's value, so it is not a reason
+# to import everything again.
+_VOLATILE_ENV = frozenset({"PYTEST_CURRENT_TEST"})
+_IDLE_ZYGOTES = 2  # kept per process beyond the one in use
+
+
+class Forked:
+    """A job forked by a `Zygote`: what `stop` and `run_module` use of `subprocess.Popen`
+    (its pid leads the job's own process group; exit status from the zygote)."""
+
+    def __init__(self, zygote: Zygote, pid: int):
+        self.zygote, self.pid, self.returncode = zygote, pid, None
+
+    def poll(self) -> int | None:
+        return self.wait(0, raise_timeout=False)
+
+    def wait(self, timeout: float | None = None, *, raise_timeout: bool = True) -> int | None:
+        if self.returncode is None:
+            self.returncode = self.zygote.exit_status(self.pid, timeout)
+        if self.returncode is None and raise_timeout:
+            raise subprocess.TimeoutExpired(f"forked job {self.pid}", timeout or 0)
+        return self.returncode
+
+
+class Zygote:
+    """A process that imported a job module (and what its `preload()` imports) under one
+    environment and forks a fresh process per job (`zygote_main`). Answers come as JSON lines
+    on a pipe: {"ready"} or {"error"} once, {"pid"} per job, {"exit", "rc"} per job end."""
+
+    _live: ClassVar[OrderedDict[tuple, Zygote]] = OrderedDict()
+
+    @classmethod
+    def of(cls, module: str, env: dict[str, str], timeout: float) -> Zygote | None:
+        """The zygote of (module, env), started (and waited for up to timeout) on first use;
+        None when it cannot start (the job then starts with `python -m`, whose log shows
+        why)."""
+        key = (module, tuple(sorted((k, v) for k, v in env.items() if k not in _VOLATILE_ENV)))
+        z = cls._live.get(key)
+        if z is not None and z.proc.poll() is None:
+            cls._live.move_to_end(key)
+            return z
+        z = cls(module, env)
+        why = z.wait_ready(timeout)
+        if why:
+            log.warning(f"no zygote for {module} ({why}): starting the job with python -m")
+            z.close()
+            return None
+        cls._live[key] = z
+        while len(cls._live) > 1 + _IDLE_ZYGOTES:
+            cls._live.popitem(last=False)[1].close()
+        return z
+
+    def __init__(self, module: str, env: dict[str, str]):
+        read_fd, write_fd = os.pipe()
+        self.out = tempfile.TemporaryFile()  # the zygote's own output: imports' warnings
+        try:
+            code = f"from speclab import launch; launch.zygote_main({module!r}, {write_fd})"
+            self.proc = start([sys.executable, "-c", code],
+                              self.out, env, stdin=subprocess.PIPE, pass_fds=(write_fd,))
+        finally:
+            os.close(write_fd)
+        self.answers, self.buf, self.exits = read_fd, b"", {}
+        self.lock = threading.Lock()
+
+    def _next(self, timeout: float | None) -> dict | None:
+        """The next answer; None on timeout, {"eof": True} when the zygote is gone."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while b"\n" not in self.buf:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not select.select([self.answers], [], [], left)[0]:
+                return None
+            chunk = os.read(self.answers, 65536)
+            if not chunk:
+                return {"eof": True}
+            self.buf += chunk
+        line, self.buf = self.buf.split(b"\n", 1)
+        return json.loads(line)
+
+    def wait_ready(self, timeout: float) -> str | None:
+        with self.lock:
+            msg = self._next(timeout)
+        if msg and "ready" in msg:
+            return None
+        if msg is None:
+            return f"not ready within {timeout:.0f} s"
+        self.out.seek(0)
+        return msg.get("error") or f"exited: {self.out.read().decode(errors='replace')[-300:]}"
+
+    def fork(self, spec_path: Path, log_path: Path, env: dict[str, str]) -> Forked:
+        """Fork one job: `module.main(spec_path)` with env as its environment, output to
+        log_path, in a process group of its own."""
+        job = {"spec": str(spec_path), "log": str(log_path), "env": env}
+        with self.lock:
+            self.proc.stdin.write(json.dumps(job).encode() + b"\n")
+            self.proc.stdin.flush()
+            while (msg := self._next(None)) and "pid" not in msg:
+                self._note(msg)
+        if not msg or "pid" not in msg:
+            raise RuntimeError("the zygote ended before forking the job")
+        return Forked(self, msg["pid"])
+
+    def _note(self, msg: dict) -> None:
+        if "exit" in msg:
+            self.exits[msg["exit"]] = msg["rc"]
+        elif msg.get("eof"):
+            self.exits[None] = -signal.SIGTERM  # every job still running ends with it
+
+    def exit_status(self, pid: int, timeout: float | None) -> int | None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self.lock:
+            while pid not in self.exits and None not in self.exits:
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                msg = self._next(left)
+                if msg is None:
+                    return None
+                self._note(msg)
+            return self.exits.pop(pid, self.exits.get(None))
+
+    def close(self) -> None:
+        """End the zygote (its stdin closes; a job it forked would end with it)."""
+        if self.proc.stdin:
+            self.proc.stdin.close()
+        stop(self.proc)
+        os.close(self.answers)
+        self.out.close()
+
+
+def zygote_main(module: str, answer_fd: int) -> NoReturn:
+    """The zygote's loop (`Zygote`): import `module` and run its `preload()`, then fork one
+    process per job line read from stdin, and report each job's pid and exit status; end
+    when stdin closes (its parent is gone, or closed it). Single-threaded, so a fork never
+    copies a lock another thread holds."""
+    gc.disable()
+    answers = os.fdopen(answer_fd, "w", buffering=1)
+
+    def say(msg: dict) -> None:
+        answers.write(json.dumps(msg) + "\n")
+
+    try:
+        mod = importlib.import_module(module)
+        getattr(mod, "preload", lambda: None)()
+    except BaseException as e:
+        say({"error": f"{type(e).__name__}: {e}"})
+        os._exit(1)
+    gc.freeze()
+    say({"ready": os.getpid()})
+    stdin, buf, running = sys.stdin.fileno(), b"", set()
+    while True:
+        readable = select.select([stdin], [], [], 0.2)[0]
+        while running:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+            if not pid:
+                break
+            running.discard(pid)
+            say({"exit": pid, "rc": os.waitstatus_to_exitcode(status)})
+        if not readable:
+            continue
+        chunk = os.read(stdin, 65536)
+        if not chunk:
+            os._exit(0)
+        buf += chunk
+        while b"\n" in buf:
+            line, buf = buf.split(b"\n", 1)
+            job = json.loads(line)
+            pid = os.fork()
+            if pid == 0:
+                answers.close()
+                _forked_job(mod, module, job)
+            running.add(pid)
+            say({"pid": pid})
+
+
+def _forked_job(mod, module: str, job: dict) -> NoReturn:
+    """In a job forked by the zygote: its own process group, output to the job's log, the
+    job's environment, tied to the zygote (which ends when the job's parent does); then
+    `mod.main(spec)` as `child_main` runs it."""
+    rc = 1
+    try:
+        os.setsid()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_DFL)
+        fd = os.open(job["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+        os.close(null)
+        from setproctitle import setproctitle  # `ps` names the job, as for `python -m`
+
+        setproctitle(f"{sys.executable} -m {module} {job['spec']}")  # before environ changes
+        sys.argv = [f"{module} (forked)", job["spec"]]
+        os.environ.clear()
+        os.environ.update(job["env"])
+        die_with_parent(os.getppid())
+        rc = mod.main(job["spec"])
+    except SystemExit as e:
+        rc = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        try:
+            atexit._run_exitfuncs()
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(rc if isinstance(rc, int) else 1)
 
 
 def prepare_models(profile: Profile, points: list[Point]) -> None:
@@ -169,7 +407,7 @@ def timing_round(profile: Profile, point: Point, run_dir: Path, rnd: int) -> dic
 def _worker(profile: Profile, point: Point, spec: dict, spec_path: Path, log_path: Path
             ) -> str | None:
     error = run_module(WORKER, spec, spec_path, log_path, {**profile.env, **point.env},
-                       profile.timeout_s)
+                       profile.timeout_s, fork=profile.backend == "cpu")
     return f"worker {error}" if error and error.startswith("exited") else error
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from speclab import fingerprint, launch, runlock, store
+from speclab import engine, fingerprint, launch, runlock, store
 from speclab.profiles import Point, Profile
 
 log = logging.getLogger(__name__)
@@ -53,9 +53,11 @@ def prefix_sha(ids) -> str:
 
 
 def _subprocess(spec: dict, run_dir: Path, name: str, env: dict, timeout: float) -> str | None:
-    """Run `python -m speclab.multipass` on `spec` (launch.run_module); None or the error."""
+    """Run `python -m speclab.multipass` on `spec` (launch.run_module; forked from a zygote
+    on the CPU backend); None or the error."""
     return launch.run_module("speclab.multipass", spec, run_dir / "logs" / f"{name}.spec.json",
-                             run_dir / "logs" / f"{name}.log", env, timeout)
+                             run_dir / "logs" / f"{name}.log", env, timeout,
+                             fork=spec["profile"]["backend"] == "cpu")
 
 
 def run_groups(profile: Profile, run_dir: Path, groups: list[Group]) -> None:
@@ -130,7 +132,7 @@ def _rescore(profile: Profile, run_dir: Path, requests: pd.DataFrame) -> pd.Data
 
 # --------------------------------------------------------------------- in the subprocess
 def _engine(profile: Profile, point: Point):
-    from speclab import defects, engine, prompts
+    from speclab import defects, prompts
     from speclab.profiles import prompt_file, resolve_model
 
     plist = prompts.load(prompt_file(profile), limit=profile.prompts.limit,
@@ -148,7 +150,7 @@ def _engine(profile: Profile, point: Point):
 def _run_group(spec: dict) -> None:
     from vllm import SamplingParams
 
-    from speclab import defects, engine, metrics, prompts
+    from speclab import defects, metrics, prompts
     from speclab.worker import request_records
 
     profile = Profile.model_validate(spec["profile"])
@@ -198,7 +200,7 @@ def _run_group(spec: dict) -> None:
 def _run_rescore(spec: dict) -> None:
     from vllm import SamplingParams
 
-    from speclab import engine, prompts
+    from speclab import prompts
 
     profile = Profile.model_validate(spec["profile"])
     base = Point.model_validate(spec["engine_point"])
@@ -223,6 +225,11 @@ def _run_rescore(spec: dict) -> None:
     new = pd.concat([old, pd.DataFrame(rows)], ignore_index=True) if old is not None \
         else pd.DataFrame(rows)
     store.write_parquet(path, new)
+
+
+def preload() -> None:
+    """What a zygote imports before it forks multipass jobs (`launch.Zygote`)."""
+    engine.preload()
 
 
 def main(spec_path: str) -> int:

@@ -401,12 +401,22 @@ def set_aside(run_dir: Path, point_id: str, when: str) -> Path:
     """Move a point's files (requests, result, logs, specs) to superseded/<when>/; return
     it."""
     run_dir = Path(run_dir)
-    dest = run_dir / "superseded" / when
     rec, meta = point_paths(run_dir, point_id)
-    for f in [rec, meta, *(run_dir / "logs").glob(f"{point_id}.*")]:
-        if f.exists():
-            dest.mkdir(parents=True, exist_ok=True)
-            os.replace(f, dest / f.name)
+    files = [f for f in [rec, meta, *(run_dir / "logs").glob(f"{point_id}.*")] if f.exists()]
+    dest = _aside(run_dir, when, [f.name for f in files])
+    for f in files:
+        dest.mkdir(parents=True, exist_ok=True)
+        os.replace(f, dest / f.name)
+    return dest
+
+
+def _aside(run_dir: Path, when: str, names: list[str]) -> Path:
+    """superseded/<when>/, or <when>-2/, -3/... where it holds one of names already (set
+    aside earlier within the same second)."""
+    dest, n = Path(run_dir) / "superseded" / when, 1
+    while any((dest / name).exists() for name in names):
+        n += 1
+        dest = Path(run_dir) / "superseded" / f"{when}-{n}"
     return dest
 
 
@@ -416,7 +426,7 @@ def save_profile(profile: Profile, run_dir: Path, when: str) -> None:
     path = Path(run_dir) / "profile.json"
     new = profile.model_dump_json(indent=1)
     if path.exists() and path.read_text() != new:
-        dest = Path(run_dir) / "superseded" / when
+        dest = _aside(Path(run_dir), when, ["profile.json"])
         dest.mkdir(parents=True, exist_ok=True)
         os.replace(path, dest / "profile.json")
     atomic_write(path, new)

@@ -65,6 +65,11 @@ def timed_pass(llm, prompt_ids, sp, concurrency) -> tuple[list[dict], dict]:
                     "at": time.time(), "load_avg_1m": os.getloadavg()[0]}
 
 
+def preload() -> None:
+    """What a zygote imports before it forks workers (`launch.Zygote`)."""
+    engine.preload()
+
+
 def main(spec_path: str) -> int:
     started = time.time()
     spec = json.loads(Path(spec_path).read_text())

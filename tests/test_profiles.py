@@ -86,6 +86,16 @@ def test_environment_checks(tmp_path):
     assert "org/not-cached: not in the local Hugging Face cache" in problems
 
 
+@pytest.mark.vllm
+def test_kv_dtypes_read_from_vllms_source_are_its_literal():
+    from typing import get_args
+
+    from vllm.config.cache import CacheDType
+
+    preflight.vllm_kv_dtypes.cache_clear()
+    assert preflight.vllm_kv_dtypes() == get_args(CacheDType) and "fp8_e4m3" in get_args(CacheDType)
+
+
 def test_expand_dedupes_draft_dtype_for_plain_points():
     prof = profiles.load("v4flash-4xb200")
     ids = [p.id for p in sweep.expand(prof)]

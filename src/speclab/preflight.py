@@ -27,7 +27,8 @@ def check_env(profile: Profile) -> list[str]:
             problems.append(f"vLLM {v} is older than this profile's min_vllm {profile.min_vllm}")
         try:
             names = vllm_kv_dtypes()
-        except ImportError as e:
+        except (ImportError, OSError, SyntaxError, StopIteration, AttributeError,
+                ValueError) as e:
             problems.append(f"cannot read vLLM's KV-cache dtypes: {e}")
         else:
             for field in ("kv_cache_dtype", "draft_kv_cache_dtype"):
@@ -115,12 +116,26 @@ def installed_vllm() -> str | None:
 
 @cache
 def vllm_kv_dtypes() -> tuple[str, ...]:
-    """KV-cache dtype names the installed vLLM accepts (its CacheDType literal)."""
-    from typing import get_args
+    """KV-cache dtype names the installed vLLM accepts: its `CacheDType` literal in
+    config/cache.py, read from the source (importing vllm.config takes seconds)."""
+    import ast
 
-    from vllm.config.cache import CacheDType
+    tree = ast.parse(_vllm_source("config/cache.py"))
+    node = next(n for n in tree.body if isinstance(n, ast.Assign)
+                and [getattr(t, "id", None) for t in n.targets] == ["CacheDType"])
+    names = node.value.slice.elts if isinstance(node.value.slice, ast.Tuple) \
+        else [node.value.slice]
+    return tuple(ast.literal_eval(n) for n in names)
 
-    return tuple(get_args(CacheDType))
+
+def _vllm_source(rel: str) -> str:
+    """The text of vllm/<rel> in the installed vLLM, not imported."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or spec.origin is None:
+        raise ModuleNotFoundError("vllm is not installed")
+    return (Path(spec.origin).parent / rel).read_text()
 
 
 def visible_gpus() -> int:
@@ -139,16 +154,11 @@ def engine_arg_names() -> frozenset[str]:
     """Keyword arguments `vllm.LLM` accepts: its own parameters and the fields of
     `EngineArgs`, read from the installed vLLM's source (nothing is imported)."""
     import ast
-    import importlib.util
 
-    spec = importlib.util.find_spec("vllm")
-    if spec is None or spec.origin is None:
-        raise ModuleNotFoundError("vllm is not installed")
-    root = Path(spec.origin).parent
     names: set[str] = set()
     for rel, cls, method in (("engine/arg_utils.py", "EngineArgs", None),
                              ("entrypoints/llm.py", "LLM", "__init__")):
-        tree = ast.parse((root / rel).read_text())
+        tree = ast.parse(_vllm_source(rel))
         node = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls)
         if method is None:
             names |= {n.target.id for n in node.body

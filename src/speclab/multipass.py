@@ -160,7 +160,7 @@ def _run_group(spec: dict) -> None:
     plist, args, env = _engine(profile, base)
     engine_defect = defects.from_env()
     t0 = time.perf_counter()
-    with engine.open_llm(args) as llm:
+    with engine.open_llm(args, shutdown=not launch.forked()) as llm:
         init_s = time.perf_counter() - t0
         tok = None if profile.skip_tokenizer_init else llm.get_tokenizer()
         ids = prompts.to_token_ids(plist, tok, base.prompt_format)
@@ -206,7 +206,7 @@ def _run_rescore(spec: dict) -> None:
     base = Point.model_validate(spec["engine_point"])
     run_dir = Path(spec["run_dir"])
     plist, args, _ = _engine(profile, base)
-    with engine.open_llm(args) as llm:
+    with engine.open_llm(args, shutdown=not launch.forked()) as llm:
         tok = None if profile.skip_tokenizer_init else llm.get_tokenizer()
         ids = dict(zip((p.id for p in plist), prompts.to_token_ids(plist, tok, base.prompt_format)))
         reqs = spec["requests"]

@@ -107,7 +107,7 @@ def main(spec_path: str) -> int:
         if meta["aux_convention"]:
             print(convention.log_line(meta["aux_convention"]), flush=True)
         e0 = time.perf_counter()
-        with engine.open_llm(args) as llm:
+        with engine.open_llm(args, shutdown=not launch.forked()) as llm:
             t["engine_init_s"] = time.perf_counter() - e0
             h1 = time.perf_counter()
             tok = None if profile.skip_tokenizer_init else llm.get_tokenizer()

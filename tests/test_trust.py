@@ -400,7 +400,8 @@ multipass.run_groups(profiles.load("tiny-cpu"), sys.argv[1],
 @pytest.mark.parametrize("child", ["worker", "multipass"])
 def test_a_real_engine_process_dies_with_its_parent(tmp_path, fixture_cache, child):
     """speclab.worker (a sweep point) or speclab.multipass (a parity group, as a notebook
-    runs it) on tiny-cpu, its parent killed while it starts its engine: nothing is left."""
+    runs it) on tiny-cpu, its parent killed while it starts its engine (its log has vLLM's
+    engine line; a forked tiny point takes ~2 s in all): nothing is left."""
     run_dir = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), str(TESTS)]),
            "SPECLAB_CACHE": str(fixture_cache.parent)}
@@ -408,8 +409,13 @@ def test_a_real_engine_process_dies_with_its_parent(tmp_path, fixture_cache, chi
                              f"{run_dir}/logs/"),
                   "multipass": ([GROUPS, str(run_dir)], f"{run_dir}/logs/group-noise.spec")}[child]
     parent = subprocess.Popen([sys.executable, "-c", *args], env=env)
-    assert wait_for(lambda: processes_naming(name), 300), f"no {child} started"
-    time.sleep(3)
+
+    def starting_engine() -> bool:
+        return any("Initializing a V1 LLM engine" in f.read_text(errors="replace")
+                   for f in (run_dir / "logs").glob("*.log")) if (run_dir / "logs").is_dir() \
+            else False
+
+    assert wait_for(starting_engine, 300), f"no {child} started its engine"
     assert processes_naming(name), f"the {child} ended before its parent was killed"
     parent.kill()
     parent.wait()

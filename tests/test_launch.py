@@ -88,3 +88,27 @@ def test_a_zygote_that_cannot_import_leaves_the_job_to_python_m(tmp_path, caplog
     assert err == "exited with 1"
     assert "No module named no_such_job_module" in log  # python -m's own message
     assert any("no zygote for no_such_job_module" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.vllm
+def test_a_forked_point_measures_what_python_m_measures(tmp_path, fixture_cache, monkeypatch):
+    """The same tiny-cpu point (k = 3, 4 prompts x 16 tokens) in a forked worker and in one
+    started with `python -m`: the same tokens per request and the same counters."""
+    from speclab import profiles, store
+
+    monkeypatch.setenv("SPECLAB_CACHE", str(fixture_cache.parent))
+    prof = profiles.load("tiny-cpu", {"prompts": {"limit": 4}, "max_tokens": 16})
+    point = profiles.Point(k=3, kv_cache_dtype="auto", draft_kv_cache_dtype="auto")
+    launch.prepare_models(prof, [point])
+    seen = {}
+    for fork in ("1", "0"):
+        monkeypatch.setenv(launch.FORK_ENV, fork)
+        meta = launch.run_point(prof, point, tmp_path / fork)
+        assert meta["status"] == "ok", meta.get("error")
+        recs = store.requests(tmp_path / fork)
+        seen[fork] = (meta["counters"], meta["command"],
+                      {r.prompt_id: list(r.output_token_ids) for r in recs.itertuples()})
+    assert seen["1"][1].startswith("speclab.worker (forked)")
+    assert not seen["0"][1].startswith("speclab.worker (forked)")
+    assert seen["1"][0] == seen["0"][0] and seen["1"][0]["num_accepted_tokens"] > 0
+    assert seen["1"][2] == seen["0"][2] and len(seen["1"][2]) == 4

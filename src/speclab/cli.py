@@ -235,11 +235,12 @@ def cmd_aux_report(a) -> int:
 
 
 def cmd_predict(a) -> int:
-    from speclab import predict
+    from speclab import predictreport
 
     rates = [float(x) for x in a.acceptance.split(",")]
     try:
-        path = predict.report(Path(a.run_dir), rates, a.layers, Path(a.out) if a.out else None)
+        path = predictreport.report(Path(a.run_dir), rates, a.layers,
+                                    Path(a.out) if a.out else None, a.gpus)
     except (FileNotFoundError, ValueError) as e:
         print(f"speclab: error: {e}", file=sys.stderr)
         return 1
@@ -395,6 +396,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--acceptance", default="0.617,0.433,0.294",
                    help="per-position unconditional acceptance (default: published EAGLE3.1)")
     p.add_argument("--layers", type=int, default=43, help="target depth to extrapolate to")
+    p.add_argument("--gpus", type=int, default=8,
+                   help="GPUs of the TP + EP node the extrapolation is carried to (a bracket, "
+                   "not a measurement; 1: none)")
     p.add_argument("--out", help="output folder (default: the run folder)")
     p.set_defaults(fn=cmd_predict)
 

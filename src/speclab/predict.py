@@ -321,7 +321,8 @@ def extrapolate(costs: pd.DataFrame, drafts: pd.DataFrame, rates, layers: int =
     A batch size is extrapolated only where the deepest plain step's 95% interval lies above
     the shallowest one's: a step that does not grow resolvably with depth is host time, and
     a line through it says nothing about `layers` (ValueError when no batch size resolves).
-    Returns {"fit": rows of (n, a, b, resolved), "prediction": rows like `predict`}."""
+    Returns {"fit": rows of (n, a, b, resolved), "prediction": rows like `predict`, "plain":
+    the plain steps at `layers`, "drafts": the drafter times used}."""
     plain = costs[(costs.k == 0) & (costs.eager == eager)]
     Ls = sorted(int(x) for x in plain.layers.unique())
     if len(Ls) < 2:
@@ -347,7 +348,7 @@ def extrapolate(costs: pd.DataFrame, drafts: pd.DataFrame, rates, layers: int =
     spec_B = sorted(costs[costs.k > 0].B.unique())
     pred = predict(pd.DataFrame(synth), d, rates, ks=ks, batches=spec_B)
     return {"fit": pd.DataFrame(fit), "prediction": pred, "layers_measured": Ls,
-            "drafts_from_layers": int(deepest)}
+            "drafts_from_layers": int(deepest), "plain": pd.DataFrame(synth), "drafts": d}
 
 
 def memory_check(run_dir: Path) -> pd.DataFrame:
@@ -378,126 +379,3 @@ def memory_check(run_dir: Path) -> pd.DataFrame:
             rows.append({"engine": e["engine"], "estimate_gib": est / 2 ** 30,
                          "vllm_gib": took[-1], "error": est / 2 ** 30 / took[-1] - 1})
     return pd.DataFrame(rows).drop_duplicates("engine", keep="last")
-
-
-# --------------------------------------------------------------------------- report
-def _md(df: pd.DataFrame, cols: list[str]) -> str:
-    """A markdown table of `cols` (floats to 4 significant digits, NaN as n/a)."""
-    cols = [c for c in cols if c in df]
-    if df.empty:
-        return "(none)"
-
-    def cell(v) -> str:
-        if isinstance(v, (float, np.floating)):
-            return "n/a" if np.isnan(v) else f"{v:.4g}"
-        return str(v)
-
-    rows = [" | ".join(cell(v) for v in r) for r in df[cols].itertuples(index=False)]
-    return "\n".join([" | ".join(cols), " | ".join("---" for _ in cols), *rows])
-
-
-def report(run_dir: Path, rates=PUBLISHED_EAGLE31, layers: int = PRODUCTION_LAYERS,
-           out_dir: Path | None = None) -> Path:
-    """`predict.md` and `predict.html` (+ `speedup_vs_k` figure) for a gpubench run folder:
-    measured speedup vs k per batch size with CIs, predicted beside measured with the largest
-    error, the best k, and the `layers`-layer prediction at acceptance `rates` with its fit.
-    Raises ValueError when the run has no timed round."""
-    import html
-
-    import mistune
-
-    from speclab import plots, store
-
-    run_dir = Path(run_dir)
-    out_dir = Path(out_dir or run_dir)
-    res = load(run_dir)
-    costs = step_costs(res)
-    if costs.empty:
-        raise ValueError(f"{run_dir}: no timed pass (round >= 1) yet; round 0 is the warm-up")
-    drafts = draft_ms(res)
-    val = validate(res)
-    spec = costs[costs.k > 0]
-    lines = [f"# Speed at DeepSeek-V4-Flash's real shapes: {run_dir.name}", "",
-             ("Decode throughput (tokens after the first, per second) and speedup over plain "
-             "decoding at the same batch size, mean and 95% interval over timed rounds "
-             "(speedup: geometric mean of per-round ratios, round r paired with plain's round r)."), "",
-             (f"Timed rounds per point: {spec.rounds.min()} to {spec.rounds.max()}. "
-              + ("**A point with one round has no interval and is not a result.**"
-                 if spec.rounds.min() < 2 else "")) if len(spec) else "", "",
-             _md(spec.sort_values([*CONFIG, "B", "k"]),
-                 [*CONFIG, "B", "k", "al", "step_ms", "tok_s", "tok_s_lo", "tok_s_hi",
-                  "speedup", "speedup_lo", "speedup_hi", "rounds"]), ""]
-    paired = spec.dropna(subset=["speedup"])  # a configuration with a plain engine beside it
-    best = paired.loc[paired.groupby([*CONFIG, "B"]).speedup.idxmax()] if len(paired) else paired
-    lines += ["## Best k (measured)", "", _md(best, [*CONFIG, "B", "k", "speedup",
-                                                    "speedup_lo", "speedup_hi"]), ""]
-    if len(val):
-        worst = val.error.abs().max()
-        lines += ["## Predicted vs measured", "",
-                  ("Prediction from the plain step at B(k+1) rows, the drafter's measured time "
-                  f"and the point's measured acceptance; largest |error| {worst:.1%} "
-                  f"({val.error_linear.abs().max():.1%} with the plain step linear in n, "
-                  "`error_linear`)."), "",
-                  _md(val, [*CONFIG, "B", "k", "step_ms", "pred_step_ms", "verify_ms",
-                            "draft_ms", "speedup", "pred_speedup", "error", "error_linear"]),
-                  "", (f"T_plain(n) is linear in E(n) = {MOE[0]}(1 - (1 - {MOE[1]}/{MOE[0]})^n), "
-                       "the routed experts n tokens read per MoE layer, between the measured "
-                       "plain batch sizes (`predict.plain_at`)."), ""]
-        if val.draft_host_ms.notna().any():
-            lines += [("With the drafter's host time serial to the verify step (the bound for "
-                       "a drafter whose launches the GPU waits for): `bracketed` says whether "
-                       "the measured speedup lies between the two predictions."), "",
-                      _md(val[val.draft_host_ms.notna()],
-                          [*CONFIG, "B", "k", "draft_ms", "draft_host_ms", "speedup",
-                           "pred_serial_speedup", "pred_speedup", "bracketed"]), ""]
-    served = serve_costs(res)
-    if len(served):
-        lines += ["## Behind `vllm serve`", "",
-                  ("The same passes sent as B concurrent requests to `/v1/completions` (token "
-                   "ids, streaming), plain and speculative servers each on its own; speedup "
-                   "against the plain server at the same concurrency B."), "",
-                  _md(served.sort_values(["layers", "B", "k"]),
-                      ["layers", "B", "k", "al", "step_ms", "tok_s", "tok_s_lo", "tok_s_hi",
-                       "speedup", "speedup_lo", "speedup_hi", "rounds"]), ""]
-    anatomy = step_anatomy(res)
-    if len(anatomy):
-        cols = [*CONFIG, "k", "B", *(f"{op}_{t}" for op in ("execute", "sample", "propose")
-                                     for t in ("ms", "host_ms"))]
-        lines += ["## Step anatomy (split passes)", "",
-                  ("Median per decode step, GPU time (CUDA events around the call) and host "
-                   "time (wall time of the call) of the target's forward (`execute`), of "
-                   "sampling (`sample`, which runs the drafter) and of the drafter "
-                   "(`propose`), from `speclab.steptiming`. A host time above its GPU time is "
-                   "a part the GPU waits for."), "",
-                  _md(anatomy.sort_values([*CONFIG, "B", "k"]), cols), ""]
-    try:
-        ex = extrapolate(costs, drafts, rates, layers)
-        lines += [f"## {layers} layers at acceptance {list(rates)}", "",
-                  (f"Plain step per batch size n fitted as a + b·L over layers "
-                  f"{ex['layers_measured']}; drafter times from the {ex['drafts_from_layers']}-"
-                  "layer run. One GPU, TP 1; TP 4/8 + EP adds all-to-all per MoE layer and "
-                  "divides the experts per GPU, which no run here covers."), "",
-                  _md(ex["fit"], ["n", "a_ms", "b_ms_per_layer", "resolved"]), "",
-                  _md(ex["prediction"], ["draft", "B", "k", "al", "verify_ms", "draft_ms",
-                                         "pred_step_ms", "pred_tok_s", "pred_speedup", "best"]),
-                  ""]
-    except ValueError as e:
-        lines += [f"## {layers} layers", "", f"Not extrapolated: {e}.", ""]
-    mem = memory_check(run_dir)
-    if len(mem):
-        lines += ["## Weights: estimate vs vLLM", "",
-                  ("`speclab.memory` from the config alone against each engine's `Model loading "
-                   f"took`; largest |error| {mem.error.abs().max():.1%}."), "",
-                  _md(mem, ["engine", "estimate_gib", "vllm_gib", "error"]), ""]
-    md = "\n".join(lines)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    store.atomic_write(out_dir / "predict.md", md)
-    plots.save(plots.speedup_vs_k(spec, val), out_dir / "figures", "speedup_vs_k",
-               caption=f"{run_dir.name}: measured (95% CI) and predicted speedup")
-    store.atomic_write(
-        out_dir / "predict.html",
-        "<!doctype html><meta charset='utf-8'><title>" + html.escape(run_dir.name) +
-        "</title><style>body{font-family:sans-serif;max-width:75em;margin:auto}table"
-        "{border-collapse:collapse}td,th{border:1px solid #ccc;padding:2px 6px}</style>"
-        + mistune.html(md) + "<img src='figures/speedup_vs_k.png' alt='speedup vs k'>")
-    return out_dir / "predict.md"

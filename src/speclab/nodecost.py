@@ -1,0 +1,217 @@
+"""What a TP G + expert-parallel node changes to the one-GPU step: a bracket computed from
+the measured one-GPU steps and stated assumptions, not a measurement.
+
+What vLLM runs (0.34.0 `vllm/models/deepseek_v4/nvidia/model.py`, TP G, DP 1,
+`enable_expert_parallel`): each rank holds 256 / G routed experts (`n_local_physical_experts`)
+and sees every token; attention and the shared expert are split over the ranks and the layer
+ends in two collectives of n x hidden bf16 (attention's `wo_b` and the MoE output all-reduced;
+with a mega-MoE backend, sequence parallelism's all-gather and reduce-scatter instead,
+`_use_sequence_parallel`), plus the target's logits gather a step. The EAGLE-3 draft runs at
+the target's TP: three collectives a draft forward (attention, MLP, logits).
+
+The one-GPU step at L layers, T_1(n) (`predict.extrapolate`'s plain curve), splits into the
+routed experts' part L beta E(n), where beta is one expert read per layer (the fit of the
+measured per-layer slope b(n) = alpha + beta E(n), `expert_fit`), and the rest
+R(n) = T_1(n) - L beta E(n). On the node:
+
+    T_G(n)          = R(n) - (1 - 1/G) V + L beta M_G(n) + (2 L + 1) t_ar(n hidden 2 B)
+    T_draft,G(k, B) = T_draft(k, B) - (1 - 1/G) V_draft + 3 k t_ar(B hidden 2 B)
+
+M_G(n) is the expected largest number of distinct routed experts one rank reads when n tokens
+pick 6 of 256 evenly (the step waits for the slowest rank; `max_rank_experts`). V, the part of
+the rest that TP divides, and t_ar, one collective, were not measured; the bracket's corners:
+
+* `tp`: `latency` (V = 0: the rest is launches and latencies TP does not shorten), `weights`
+  (V = the time to read the weights TP splits besides the routed experts: per layer the shared
+  expert, `wq_b`, `wo_a`, `wo_b`, per step the head; for the draft its sharded weights k
+  times; at the rate beta reads experts, `divided_ms`), `all` (V = R: TP divides the rest);
+* `allreduce`: `none` (free: the floor), `lo` and `hi`, two published small-message
+  all-reduce curves (`AR_US`).
+
+With G = 1 the model is `predict.predict`'s. Not covered: imbalance from a trained router,
+EPLB, DP attention and all-to-all (DP > 1), MTP at real shape, GPUs other than the one
+measured.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+
+import numpy as np
+import pandas as pd
+
+from speclab import predict
+
+HIDDEN = 4096  # DeepSeek-V4-Flash's hidden_size
+MOE_INTERMEDIATE = 2048
+BF16 = 2
+HBM_TB_S = 4.8  # the H200's HBM3e (NVIDIA's datasheet), where every real-shape run ran
+# One all-reduce on 8 H100s over NVLink, CUDA graphs off: SGLang PR #2904's table (sgl-project/
+# sglang, "optimize custom allreduce kernel"), microseconds at "data size" 512 ... 1048576, a
+# unit the table does not state. lo: SGLang's kernel with the size read as bf16 elements;
+# hi: vLLM's custom all-reduce with the size read as bytes.
+AR_SIZES = (512, 4096, 32768, 262144, 524288, 1048576)
+AR_US = {"lo": (5.9, 5.7, 7.8, 16.7, 22.1, 33.8), "hi": (10.1, 9.3, 11.8, 24.1, 30.4, 45.0)}
+AR_BYTES_PER_SIZE = {"lo": BF16, "hi": 1}
+
+
+def allreduce_us(nbytes: float, corner: str) -> float:
+    """One collective of `nbytes` at the `corner` curve of `AR_US` (`none`: 0): linear in log size
+    between the table's points, linear in bytes past the last, the first below it; a larger
+    message never costs less (the table's dips below 32 K, its noise, are levelled up)."""
+    if corner == "none":
+        return 0.0
+    x = np.array(AR_SIZES, float) * AR_BYTES_PER_SIZE[corner]
+    y = np.maximum.accumulate(np.array(AR_US[corner], float))
+    if nbytes >= x[-1]:
+        return float(y[-1] + (nbytes - x[-1]) * (y[-1] - y[-2]) / (x[-1] - x[-2]))
+    return float(np.interp(np.log(max(nbytes, x[0])), np.log(x), y))
+
+
+def max_rank_experts(n: int, gpus: int, experts: int = predict.MOE[0],
+                     top_k: int = predict.MOE[1], draws: int = 2000, seed: int = 0) -> float:
+    """Expected largest count of distinct routed experts one of `gpus` ranks reads when `n`
+    tokens each pick `top_k` of `experts` evenly and rank r holds the r-th block of experts
+    (for one rank: `predict.experts_touched`, exactly)."""
+    if experts % gpus:
+        raise ValueError(f"{experts} experts do not divide over {gpus} GPUs")
+    if gpus == 1:
+        return float(predict.experts_touched(n, experts, top_k))
+    return _max_rank_experts(int(n), gpus, experts, top_k, draws, seed)
+
+
+@functools.cache
+def _max_rank_experts(n: int, gpus: int, experts: int, top_k: int, draws: int,
+                      seed: int) -> float:
+    rng = np.random.default_rng(seed)
+    maxima = []
+    for chunk in np.array_split(np.arange(draws), max(1, draws * n // 20000)):
+        keys = rng.random((len(chunk), n, experts), dtype=np.float32)
+        picks = np.argpartition(keys, top_k, axis=2)[:, :, :top_k].reshape(len(chunk), -1)
+        hit = np.zeros((len(chunk), experts), bool)
+        np.put_along_axis(hit, picks, True, axis=1)
+        maxima.append(hit.reshape(len(chunk), gpus, experts // gpus).sum(axis=2).max(axis=1))
+    return float(np.concatenate(maxima).mean())
+
+
+def expert_fit(fit: pd.DataFrame, moe=predict.MOE) -> dict:
+    """alpha + beta E(n) through the per-layer slopes b(n) of the batch sizes whose growth
+    with depth resolved (`predict.extrapolate`'s fit): beta is one routed expert read per
+    layer, in ms. ValueError with fewer than two such batch sizes, or where the slope's growth
+    over them is within the fit's residual."""
+    f = fit[fit.resolved]
+    if len(f) < 2:
+        raise ValueError("the per-expert cost needs the per-layer slope at two or more batch "
+                         f"sizes; resolved: {f.n.tolist()}")
+    e = predict.experts_touched(f.n.to_numpy(float), *moe)
+    beta, alpha = np.polyfit(e, f.b_ms_per_layer.to_numpy(float), 1)
+    resid = f.b_ms_per_layer.to_numpy(float) - (alpha + beta * e)
+    if beta * (e.max() - e.min()) <= np.abs(resid).max() + 1e-12:
+        raise ValueError("the per-layer step does not grow with the experts read beyond the "
+                         f"fit's residual (beta {beta * 1e3:.3g} us): no routed experts' part "
+                         "to split off")
+    return {"alpha_ms": float(alpha), "beta_ms": float(beta),
+            "max_resid_ms": float(np.abs(resid).max()), "batch_sizes": f.n.tolist()}
+
+
+def expert_bytes(dtype: str = "fp4", hidden: int = HIDDEN,
+                 inter: int = MOE_INTERMEDIATE) -> float:
+    """One routed expert's weights (w1, w2, w3) as stored: MXFP4 0.5 B a weight + one e8m0
+    scale per 32, or block-FP8 1 B a weight + a float32 scale per 128 x 128 block."""
+    n = 3 * hidden * inter
+    if dtype == "fp4":
+        return n / 2 + n / 32
+    return n + 3 * math.ceil(hidden / 128) * math.ceil(inter / 128) * 4
+
+
+def divided_ms(beta: float, layers: int, k: int = 0, dtype: str = "fp4") -> tuple[float, float]:
+    """(target, draft) ms a one-GPU step spends reading the weights TP splits besides the
+    routed experts (`memory.weight_bytes`' sharded part of DeepSeek-V4-Flash's layers and head,
+    and of the EAGLE3.1 draft for k forwards), at the rate `beta` reads one `dtype` expert."""
+    target, draft = _divided_bytes(layers, dtype)
+    per_ms = expert_bytes(dtype) / beta
+    return target / per_ms, k * draft / per_ms
+
+
+@functools.cache
+def _divided_bytes(layers: int, dtype: str) -> tuple[float, float]:
+    from speclab import memory
+    from speclab.fixtures import realshape
+
+    layer = (memory.weight_bytes(realshape.realshape_config(5, dtype))[0]
+             - memory.weight_bytes(realshape.realshape_config(4, dtype))[0]
+             - predict.MOE[0] * expert_bytes(dtype))
+    cfg = realshape.realshape_config(layers, dtype)
+    head = cfg["vocab_size"] * cfg["hidden_size"] * BF16
+    return layers * layer + head, memory.weight_bytes(realshape.draft_config(cfg))[0]
+
+
+def node_step(t1: float, n: float, layers: int, beta: float, gpus: int, tp: str,
+              corner: str, moe=predict.MOE, dtype: str = "fp4") -> float:
+    """T_G(n) in ms (module doc) from the one-GPU step `t1` = T_1(n) at the `tp` and
+    `corner` corners."""
+    experts = layers * beta
+    rest = t1 - experts * predict.experts_touched(n, *moe)
+    div = {"latency": 0.0, "weights": divided_ms(beta, layers, 0, dtype)[0], "all": rest}[tp]
+    comm = (2 * layers + 1) * allreduce_us(n * HIDDEN * BF16, corner) / 1e3
+    return rest - (1 - 1 / gpus) * div + experts * max_rank_experts(round(n), gpus, *moe) + comm
+
+
+TP_CORNERS = ("latency", "weights", "all")
+AR_CORNERS = ("none", "lo", "hi")
+
+
+def bracket(ex: dict, rates, gpus: int = 8, ks=range(1, 6), moe=predict.MOE,
+            dtype: str = "fp4") -> pd.DataFrame:
+    """Per (draft setting, B, k, tp, allreduce corner) on a TP `gpus` + EP node: T_G at B and
+    B(k + 1), the drafter, tok/s and speedup (module doc), from `predict.extrapolate`'s
+    result `ex` (its plain curve, drafter times and fit); `best` marks the best k per
+    (draft, B, tp, allreduce)."""
+    layers = int(ex["plain"].layers.iloc[0])
+    beta = expert_fit(ex["fit"], moe)["beta_ms"]
+    curve = ex["plain"].set_index("B").step_ms.sort_index()
+    drafts = ex["drafts"]
+    rows = []
+    for draft, B, tp, corner in itertools.product(
+            sorted(drafts.draft.unique()) or [""], sorted(ex["prediction"].B.unique()),
+            TP_CORNERS, AR_CORNERS):
+        t0 = node_step(predict.plain_at(curve, B, moe), B, layers, beta, gpus, tp, corner,
+                       moe, dtype)
+        d = drafts[(drafts.draft == draft) & (drafts.B == B)]
+        for k in ks:
+            n = B * (k + 1)
+            verify = node_step(predict.plain_at(curve, n, moe), n, layers, beta, gpus, tp,
+                               corner, moe, dtype)
+            t_draft = predict.drafter_at(d, k, "draft_ms")
+            div = {"latency": 0.0, "weights": min(t_draft, divided_ms(beta, layers, k, dtype)[1]),
+                   "all": t_draft}[tp]
+            draft_ms = (t_draft - (1 - 1 / gpus) * div
+                        + 3 * k * allreduce_us(B * HIDDEN * BF16, corner) / 1e3)
+            al = predict.acceptance_length(rates, k)
+            rows.append({"gpus": gpus, "draft": draft, "B": B, "k": k, "tp": tp,
+                         "allreduce": corner, "al": al, "plain_ms": t0, "verify_ms": verify,
+                         "draft_ms": draft_ms, "pred_tok_s": 1e3 * B * al / (verify + draft_ms),
+                         "pred_speedup": al * t0 / (verify + draft_ms)})
+    out = pd.DataFrame(rows)
+    if len(out):
+        best = out.groupby(["draft", "B", "tp", "allreduce"]).pred_speedup.transform("max")
+        out["best"] = out.pred_speedup == best
+    return out
+
+
+def summary(corners: pd.DataFrame, one_gpu: pd.DataFrame) -> pd.DataFrame:
+    """Per (draft, B, k): the one-GPU prediction (`predict.extrapolate`'s) beside the node's
+    lowest and highest speedup over every corner, the `weights` band (TP splitting weight
+    reads, collectives on the lo to hi curves), and in how many corners that k is best."""
+    rows = []
+    for (draft, B, k), g in corners.groupby(["draft", "B", "k"]):
+        one = one_gpu[(one_gpu.draft == draft) & (one_gpu.B == B) & (one_gpu.k == k)]
+        w = g[(g.tp == "weights") & (g.allreduce != "none")].pred_speedup
+        rows.append({"draft": draft, "B": B, "k": k,
+                     "one_gpu": one.pred_speedup.iloc[0] if len(one) else np.nan,
+                     "node_lo": g.pred_speedup.min(), "weights_lo": w.min(),
+                     "weights_hi": w.max(), "node_hi": g.pred_speedup.max(),
+                     "best_in": int(g.best.sum()), "corners": len(g)})
+    return pd.DataFrame(rows)

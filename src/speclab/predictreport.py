@@ -1,0 +1,201 @@
+"""`predict.md` and `predict.html` for a gpubench run folder: the measured speedups, the cost
+model beside them (`speclab.predict`), the production-depth extrapolation and what a TP + EP
+node would change to it (`speclab.nodecost`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from speclab import nodecost, predict
+from speclab.predict import CONFIG, MOE
+
+
+def _md(df: pd.DataFrame, cols: list[str]) -> str:
+    """A markdown table of `cols` (floats to 4 significant digits, NaN as n/a)."""
+    cols = [c for c in cols if c in df]
+    if df.empty:
+        return "(none)"
+
+    def cell(v) -> str:
+        if isinstance(v, (float, np.floating)):
+            return "n/a" if np.isnan(v) else f"{v:.4g}"
+        return str(v)
+
+    rows = [" | ".join(cell(v) for v in r) for r in df[cols].itertuples(index=False)]
+    return "\n".join([" | ".join(cols), " | ".join("---" for _ in cols), *rows])
+
+
+def report(run_dir: Path, rates=predict.PUBLISHED_EAGLE31,
+           layers: int = predict.PRODUCTION_LAYERS, out_dir: Path | None = None,
+           gpus: int = 8) -> Path:
+    """`predict.md` and `predict.html` (+ `speedup_vs_k` figure) for a gpubench run folder:
+    measured speedup vs k per batch size with CIs, predicted beside measured with the largest
+    error, the best k, and the `layers`-layer prediction at acceptance `rates` with its fit.
+    Raises ValueError when the run has no timed round."""
+    import html
+
+    import mistune
+
+    from speclab import plots, store
+
+    run_dir = Path(run_dir)
+    out_dir = Path(out_dir or run_dir)
+    res = predict.load(run_dir)
+    costs = predict.step_costs(res)
+    if costs.empty:
+        raise ValueError(f"{run_dir}: no timed pass (round >= 1) yet; round 0 is the warm-up")
+    drafts = predict.draft_ms(res)
+    val = predict.validate(res)
+    spec = costs[costs.k > 0]
+    lines = [f"# Speed at DeepSeek-V4-Flash's real shapes: {run_dir.name}", "",
+             ("Decode throughput (tokens after the first, per second) and speedup over plain "
+             "decoding at the same batch size, mean and 95% interval over timed rounds "
+             "(speedup: geometric mean of per-round ratios, round r paired with plain's round r)."), "",
+             (f"Timed rounds per point: {spec.rounds.min()} to {spec.rounds.max()}. "
+              + ("**A point with one round has no interval and is not a result.**"
+                 if spec.rounds.min() < 2 else "")) if len(spec) else "", "",
+             _md(spec.sort_values([*CONFIG, "B", "k"]),
+                 [*CONFIG, "B", "k", "al", "step_ms", "tok_s", "tok_s_lo", "tok_s_hi",
+                  "speedup", "speedup_lo", "speedup_hi", "rounds"]), ""]
+    paired = spec.dropna(subset=["speedup"])  # a configuration with a plain engine beside it
+    best = paired.loc[paired.groupby([*CONFIG, "B"]).speedup.idxmax()] if len(paired) else paired
+    lines += ["## Best k (measured)", "", _md(best, [*CONFIG, "B", "k", "speedup",
+                                                    "speedup_lo", "speedup_hi"]), ""]
+    if len(val):
+        worst = val.error.abs().max()
+        lines += ["## Predicted vs measured", "",
+                  ("Prediction from the plain step at B(k+1) rows, the drafter's measured time "
+                  f"and the point's measured acceptance; largest |error| {worst:.1%} "
+                  f"({val.error_linear.abs().max():.1%} with the plain step linear in n, "
+                  "`error_linear`)."), "",
+                  _md(val, [*CONFIG, "B", "k", "step_ms", "pred_step_ms", "verify_ms",
+                            "draft_ms", "speedup", "pred_speedup", "error", "error_linear"]),
+                  "", (f"T_plain(n) is linear in E(n) = {MOE[0]}(1 - (1 - {MOE[1]}/{MOE[0]})^n), "
+                       "the routed experts n tokens read per MoE layer, between the measured "
+                       "plain batch sizes (`predict.plain_at`)."), ""]
+        if val.draft_host_ms.notna().any():
+            lines += [("With the drafter's host time serial to the verify step (the bound for "
+                       "a drafter whose launches the GPU waits for): `bracketed` says whether "
+                       "the measured speedup lies between the two predictions."), "",
+                      _md(val[val.draft_host_ms.notna()],
+                          [*CONFIG, "B", "k", "draft_ms", "draft_host_ms", "speedup",
+                           "pred_serial_speedup", "pred_speedup", "bracketed"]), ""]
+    served = predict.serve_costs(res)
+    if len(served):
+        lines += ["## Behind `vllm serve`", "",
+                  ("The same passes sent as B concurrent requests to `/v1/completions` (token "
+                   "ids, streaming), plain and speculative servers each on its own; speedup "
+                   "against the plain server at the same concurrency B."), "",
+                  _md(served.sort_values(["layers", "B", "k"]),
+                      ["layers", "B", "k", "al", "step_ms", "tok_s", "tok_s_lo", "tok_s_hi",
+                       "speedup", "speedup_lo", "speedup_hi", "rounds"]), ""]
+    anatomy = predict.step_anatomy(res)
+    if len(anatomy):
+        cols = [*CONFIG, "k", "B", *(f"{op}_{t}" for op in ("execute", "sample", "propose")
+                                     for t in ("ms", "host_ms"))]
+        lines += ["## Step anatomy (split passes)", "",
+                  ("Median per decode step, GPU time (CUDA events around the call) and host "
+                   "time (wall time of the call) of the target's forward (`execute`), of "
+                   "sampling (`sample`, which runs the drafter) and of the drafter "
+                   "(`propose`), from `speclab.steptiming`. A host time above its GPU time is "
+                   "a part the GPU waits for."), "",
+                  _md(anatomy.sort_values([*CONFIG, "B", "k"]), cols), ""]
+    try:
+        ex = predict.extrapolate(costs, drafts, rates, layers)
+        lines += [f"## {layers} layers at acceptance {list(rates)}", "",
+                  (f"Plain step per batch size n fitted as a + b·L over layers "
+                  f"{ex['layers_measured']}; drafter times from the {ex['drafts_from_layers']}-"
+                  "layer run. One GPU, TP 1"
+                  + (f"; the next section says what a TP {gpus} + EP node changes." if gpus > 1
+                     else ".")), "",
+                  _md(ex["fit"], ["n", "a_ms", "b_ms_per_layer", "resolved"]), "",
+                  _md(ex["prediction"], ["draft", "B", "k", "al", "verify_ms", "draft_ms",
+                                         "pred_step_ms", "pred_tok_s", "pred_speedup", "best"]),
+                  ""]
+        if gpus > 1:
+            lines += _node_section(ex, rates, gpus, _expert_dtypes(run_dir))
+    except ValueError as e:
+        lines += [f"## {layers} layers", "", f"Not extrapolated: {e}.", ""]
+    mem = predict.memory_check(run_dir)
+    if len(mem):
+        lines += ["## Weights: estimate vs vLLM", "",
+                  ("`speclab.memory` from the config alone against each engine's `Model loading "
+                   f"took`; largest |error| {mem.error.abs().max():.1%}."), "",
+                  _md(mem, ["engine", "estimate_gib", "vllm_gib", "error"]), ""]
+    md = "\n".join(lines)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    store.atomic_write(out_dir / "predict.md", md)
+    plots.save(plots.speedup_vs_k(spec, val), out_dir / "figures", "speedup_vs_k",
+               caption=f"{run_dir.name}: measured (95% CI) and predicted speedup")
+    store.atomic_write(
+        out_dir / "predict.html",
+        "<!doctype html><meta charset='utf-8'><title>" + html.escape(run_dir.name) +
+        "</title><style>body{font-family:sans-serif;max-width:75em;margin:auto}table"
+        "{border-collapse:collapse}td,th{border:1px solid #ccc;padding:2px 6px}</style>"
+        + mistune.html(md) + "<img src='figures/speedup_vs_k.png' alt='speedup vs k'>")
+    return out_dir / "predict.md"
+
+
+def _expert_dtypes(run_dir: Path) -> set[str]:
+    """The routed experts' dtypes the run's engines loaded (`engines.jsonl`)."""
+    import json
+
+    return {json.loads(line).get("expert_dtype", "fp4")
+            for path in Path(run_dir).rglob("engines.jsonl")
+            for line in path.read_text().splitlines() if line.strip()}
+
+
+def _node_section(ex: dict, rates, gpus: int, dtypes: set[str]) -> list[str]:
+    """The TP `gpus` + EP bracket (`speclab.nodecost`) as report lines."""
+    try:
+        fit = nodecost.expert_fit(ex["fit"])
+        if len(dtypes) != 1:
+            raise ValueError(f"the run's engines loaded routed experts as {sorted(dtypes)}: "
+                             "one expert size is needed")
+    except ValueError as e:
+        return [f"## On a TP {gpus} + EP node", "", f"Not computed: {e}.", ""]
+    (dtype,) = dtypes
+    corners = nodecost.bracket(ex, rates, gpus, dtype=dtype)
+    table = nodecost.summary(corners, ex["prediction"])
+    best = corners[corners.best].groupby(["draft", "B"]).k.agg(lambda k: sorted(set(k)))
+    best_k = ", ".join(f"{d or 'draft as is'} at B = {b}: k = {ks}"
+                       for (d, b), ks in best.items())
+    layers = int(ex["plain"].layers.iloc[0])
+    tb_s = nodecost.expert_bytes(dtype) / (fit["beta_ms"] * 1e-3) / 1e12
+    bw = (f" One {dtype} expert is {nodecost.expert_bytes(dtype) / 2**20:.1f} MiB, so beta "
+          f"reads experts at {tb_s:.2f} TB/s (the H200's HBM: {nodecost.HBM_TB_S} TB/s)"
+          + (": **more than the HBM delivers, so the fit is broken and the numbers below "
+             "are not to be read**." if tb_s > nodecost.HBM_TB_S else "."))
+    tp_ms = nodecost.divided_ms(fit["beta_ms"], layers, 1, dtype)
+    return [
+        f"## On a TP {gpus} + EP node: predicted from the one-GPU run, not measured", "",
+        (f"vLLM 0.34.0 at TP {gpus}, DP 1, expert parallel: {MOE[0] // gpus} routed experts a "
+         "rank, every token on every rank, two collectives a layer and the logits gather a "
+         "step; the draft at the same TP, three collectives a draft forward "
+         "(`speclab.nodecost`). The one-GPU step splits into the routed experts' part, "
+         f"{layers} x beta x E(n), and the rest; on the node the experts' part becomes "
+         f"{layers} x beta x M(n), M(n) the expected most experts one rank reads (the step "
+         "waits for the slowest rank; tokens spread evenly), TP divides part of the rest, and "
+         "the collectives are added."), "",
+        (f"beta (one expert read, per layer) = {fit['beta_ms'] * 1e3:.2f} us, alpha = "
+         f"{fit['alpha_ms']:.3f} ms, fitted through the per-layer slopes at n = "
+         f"{fit['batch_sizes']} (largest residual {fit['max_resid_ms'] * 1e3:.1f} us).{bw}"), "",
+        ("Not measured, so bracketed. `tp`, the part of the rest TP divides: `latency` "
+         "(none: the rest is launches and latencies), `weights` (the time to read the weights "
+         "TP splits besides the routed experts at beta's rate: "
+         f"{tp_ms[0]:.2f} ms a target step, the head included, and {tp_ms[1]:.2f} ms a draft "
+         "forward), `all`. `allreduce`, one collective: `none` (the floor), `lo` and `hi`, "
+         "two published small-message all-reduce curves on 8 H100s over NVLink (SGLang PR "
+         "#2904; lo: SGLang's kernel, hi: vLLM's custom all-reduce). Per (B, k): the lowest "
+         "and highest speedup over the nine corners and the `weights` band with collectives "
+         f"on the lo to hi curves, beside the one-GPU prediction; best k: {best_k}."), "",
+        _md(table, ["draft", "B", "k", "one_gpu", "node_lo", "weights_lo", "weights_hi",
+                    "node_hi", "best_in"]), "",
+        _md(corners, ["draft", "B", "k", "tp", "allreduce", "plain_ms", "verify_ms",
+                      "draft_ms", "pred_tok_s", "pred_speedup", "best"]), "",
+        ("Not covered: a trained router's imbalance (the fixture's router spreads tokens "
+         "evenly), EPLB, DP attention and its all-to-all (DP > 1), mega-MoE kernels, MTP at "
+         "real shape, and any GPU but the H200 (B200: other bandwidth and kernels)."), ""]

@@ -1,0 +1,149 @@
+"""The TP + EP bracket: its parts against exact values, the one-GPU limit against the cost
+model it extends, and the committed H200 run carried to a TP 8 + EP node."""
+
+import itertools
+import math
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from speclab import nodecost, predict, predictreport
+
+RUN = Path(__file__).resolve().parents[1] / "data/runs/h200-realshape-20261204-vllm026-graphs"
+
+
+def exact_max_rank_experts(gpus: int, experts: int = 256, top_k: int = 6) -> float:
+    """E[max over ranks of the experts one token's top_k distinct picks put on a rank]: the
+    multivariate hypergeometric over every split of top_k over the ranks."""
+    per = experts // gpus
+    total = 0.0
+    for split in itertools.product(range(top_k + 1), repeat=gpus):
+        if sum(split) == top_k:
+            total += max(split) * math.prod(math.comb(per, c) for c in split)
+    return total / math.comb(experts, top_k)
+
+
+def test_slowest_rank_experts_against_exact_values():
+    """One token on 4 ranks: the Monte Carlo within 2% of the exact expectation; on one rank
+    (drawn, not the closed form) within 1% of `predict.experts_touched`; the slowest of 8 ranks
+    reads more than the mean rank and no more than a rank holds."""
+    assert nodecost.max_rank_experts(1, 4) == pytest.approx(exact_max_rank_experts(4), rel=0.02)
+    for n in (1, 4, 16):
+        drawn = nodecost._max_rank_experts(n, 1, 256, 6, 2000, 0)
+        assert drawn == pytest.approx(float(predict.experts_touched(n)), rel=0.01)
+        assert nodecost.max_rank_experts(n, 1) == float(predict.experts_touched(n))
+    prev = 0.0
+    for n in (1, 4, 16, 64):
+        m = nodecost.max_rank_experts(n, 8)
+        assert float(predict.experts_touched(n)) / 8 < m <= 32 and m > prev
+        prev = m
+    with pytest.raises(ValueError, match="do not divide"):
+        nodecost.max_rank_experts(4, 3)
+
+
+def test_allreduce_curves():
+    """Both curves pass through their table's points (lo's sizes read as bf16 elements; a
+    point below a smaller message's is levelled up to it), never fall as the message grows,
+    and lo stays below hi."""
+    for corner, per in (("hi", 1), ("lo", 2)):
+        levelled = np.maximum.accumulate(nodecost.AR_US[corner])
+        for size, us in zip(nodecost.AR_SIZES, levelled):
+            assert nodecost.allreduce_us(per * size, corner) == pytest.approx(us)
+    assert nodecost.allreduce_us(4096, "hi") == pytest.approx(10.1)  # 9.3 in the table
+    sizes = [2 ** p for p in range(8, 24)]
+    for corner in ("lo", "hi"):
+        t = [nodecost.allreduce_us(b, corner) for b in sizes]
+        assert all(b >= a for a, b in itertools.pairwise(t))
+    assert all(nodecost.allreduce_us(b, "lo") < nodecost.allreduce_us(b, "hi") for b in sizes)
+
+
+def test_expert_fit_recovers_the_per_expert_cost_and_refuses_what_it_cannot_split():
+    n = np.array([1, 4, 16, 64])
+    slopes = 0.13 + 0.0052 * predict.experts_touched(n)
+    fit = pd.DataFrame({"n": n, "b_ms_per_layer": slopes, "resolved": [True, False, True, True]})
+    got = nodecost.expert_fit(fit)
+    assert got["beta_ms"] == pytest.approx(0.0052) and got["alpha_ms"] == pytest.approx(0.13)
+    assert got["batch_sizes"] == [1, 16, 64]
+    with pytest.raises(ValueError, match="two or more"):
+        nodecost.expert_fit(fit.assign(resolved=[True, False, False, False]))
+    flat = fit.assign(b_ms_per_layer=0.3)  # a step that does not grow with the experts read
+    with pytest.raises(ValueError, match="does not grow"):
+        nodecost.expert_fit(flat)
+
+
+def _extrapolated() -> dict:
+    res = predict.load(RUN)
+    return predict.extrapolate(predict.step_costs(res), predict.draft_ms(res),
+                               predict.PUBLISHED_EAGLE31)
+
+
+def test_one_gpu_without_collectives_is_the_cost_model():
+    """At G = 1 every `tp` corner with free collectives gives `predict.extrapolate`'s
+    prediction exactly; the control: with collectives on the lo curve every verify step
+    costs more."""
+    ex = _extrapolated()
+    b = nodecost.bracket(ex, predict.PUBLISHED_EAGLE31, gpus=1)
+    free = b[b.allreduce == "none"]
+    one = ex["prediction"].merge(free, on=["draft", "B", "k"], suffixes=("", "_node"))
+    assert len(one) == len(nodecost.TP_CORNERS) * len(ex["prediction"])
+    np.testing.assert_allclose(one.pred_speedup_node, one.pred_speedup, rtol=1e-12)
+    lo, free = (x.reset_index(drop=True) for x in (b[b.allreduce == "lo"], free))
+    m = lo.verify_ms.notna()
+    assert m.sum() > 10 and (lo.verify_ms[m] > free.verify_ms[m]).all()
+
+
+def test_what_tp_divides_scales_with_what_is_read():
+    """The weights TP splits take time in proportion to their bytes (`memory.weight_bytes`,
+    checked against vLLM's loading lines elsewhere): one layer's worth a layer plus the
+    head, the draft's forward k times, half the time at twice the rate."""
+    beta = 0.0052
+    t4, t8 = nodecost.divided_ms(beta, 4)[0], nodecost.divided_ms(beta, 8)[0]
+    head = 129280 * 4096 * 2 / (nodecost.expert_bytes() / beta)
+    assert t4 == pytest.approx(head + (t8 - t4)) and t8 > t4 > head
+    d1, d3 = nodecost.divided_ms(beta, 8, 1)[1], nodecost.divided_ms(beta, 8, 3)[1]
+    assert d3 == pytest.approx(3 * d1) and nodecost.divided_ms(beta, 8, 0)[1] == 0
+    assert nodecost.divided_ms(2 * beta, 8, 3) == pytest.approx((2 * t8, 2 * d3))
+
+
+def test_the_h200_run_on_a_tp8_ep_node(tmp_path):
+    """The committed 32-layer run carried to 43 layers on TP 8 + EP: the report says it is not
+    measured, beta reads experts below the H200's bandwidth, the `weights` band lies inside
+    the nine corners; with --gpus 1 the section is absent."""
+    md = predictreport.report(RUN, out_dir=tmp_path).read_text()
+    section = md[md.index("## On a TP 8 + EP node"):]
+    assert "not measured" in section.splitlines()[0] and "broken" not in section
+    ex = _extrapolated()
+    fit = nodecost.expert_fit(ex["fit"])
+    tb_s = nodecost.expert_bytes("fp4") / (fit["beta_ms"] * 1e-3) / 1e12
+    assert 0.5 < tb_s < nodecost.HBM_TB_S and f"{tb_s:.2f} TB/s" in section
+    s = nodecost.summary(nodecost.bracket(ex, predict.PUBLISHED_EAGLE31, 8), ex["prediction"])
+    k3 = s[(s.B == 1) & (s.k == 3)].iloc[0]
+    assert k3.node_lo <= k3.weights_lo <= k3.weights_hi <= k3.node_hi and k3.corners == 9
+    md1 = predictreport.report(RUN, out_dir=tmp_path / "one", gpus=1).read_text()
+    assert "EP node" not in md1
+
+
+def test_a_per_expert_cost_faster_than_the_hbm_is_flagged(tmp_path, monkeypatch):
+    """The bandwidth check's control: a synthetic run whose per-layer step grows by 1 us an
+    expert read (13 TB/s of MXFP4 experts) gets its node section flagged as a broken fit; at
+    5 us an expert (the H200 run's order) it is not."""
+    import test_predict
+
+    def run(ns_per_expert: float, name: str) -> str:
+        def law(n, layers=4):
+            return layers * (0.1 + ns_per_expert * 1e-6 * predict.experts_touched(n)) + 0.02 * n
+        monkeypatch.setattr(test_predict, "t_plain", law)
+        (tmp_path / name / "call1").mkdir(parents=True)
+        res = test_predict.rows(layers=(4, 8), rounds=3)
+        (tmp_path / name / "call1" / "results.jsonl").write_text(
+            res.to_json(orient="records", lines=True))
+        (tmp_path / name / "call1" / "engines.jsonl").write_text(
+            '{"engine": "L4-k0", "expert_dtype": "fp4"}\n')
+        md = predictreport.report(tmp_path / name).read_text()
+        return md[md.index("## On a TP 8 + EP node"):]
+
+    assert "the fit is broken" in run(1000, "fast")
+    ok = run(5000, "plausible")
+    assert "not measured" in ok.splitlines()[0] and "broken" not in ok

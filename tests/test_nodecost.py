@@ -121,8 +121,10 @@ def test_the_h200_run_on_a_tp8_ep_node(tmp_path):
     s = nodecost.summary(nodecost.bracket(ex, predict.PUBLISHED_EAGLE31, 8), ex["prediction"])
     k3 = s[(s.B == 1) & (s.k == 3)].iloc[0]
     assert k3.node_lo <= k3.weights_lo <= k3.weights_hi <= k3.node_hi and k3.corners == 9
+    assert (tmp_path / "figures" / "node_bracket.png").exists()
+    assert "figures/node_bracket.png" in (tmp_path / "predict.html").read_text()
     md1 = predictreport.report(RUN, out_dir=tmp_path / "one", gpus=1).read_text()
-    assert "EP node" not in md1
+    assert "EP node" not in md1 and not (tmp_path / "one" / "figures" / "node_bracket.png").exists()
 
 
 def test_a_per_expert_cost_faster_than_the_hbm_is_flagged(tmp_path, monkeypatch):

@@ -401,3 +401,28 @@ def speedup_vs_k(measured: pd.DataFrame, predicted: pd.DataFrame | None = None) 
                ylabel="speedup over plain")
         ax.legend(fontsize=8)
     return fig
+
+
+def node_bracket(summary: pd.DataFrame, gpus: int, layers: int) -> plt.Figure | None:
+    """Predicted speedup vs k on a TP `gpus` + EP node, one panel per batch size: the one-GPU
+    prediction (line), the whole bracket (light band) and its `weights` band (dark band),
+    from `nodecost.summary`."""
+    s = summary.dropna(subset=["node_lo"])
+    if s.empty:
+        return _no_results(f"TP {gpus} + EP", "no batch size with a prediction")
+    panels = list(s.groupby(["draft", "B"]))
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 3.4), squeeze=False)
+    for ax, ((draft, B), g) in zip(axes[0], panels):
+        g = g.sort_values("k")
+        ax.fill_between(g.k, g.node_lo, g.node_hi, alpha=0.2, color="C1",
+                        label=f"TP {gpus} + EP, every corner")
+        ax.fill_between(g.k, g.weights_lo, g.weights_hi, alpha=0.6, color="C1",
+                        label="TP splits its weight reads")
+        ax.plot(g.k, g.one_gpu, marker="o", color="C0", label="one GPU")
+        ax.axhline(1, color="grey", lw=0.8)
+        ax.set(title=f"B = {B}" + (f", draft {draft}" if draft else ""), xlabel="k",
+               ylabel="predicted speedup", xticks=g.k.tolist())
+        ax.legend(fontsize=7)
+    _footer(fig, f"{layers} layers, predicted from one H200's measured costs; the node was not "
+                 "measured")
+    return fig

@@ -116,7 +116,7 @@ def report(run_dir: Path, rates=predict.PUBLISHED_EAGLE31,
                                          "pred_step_ms", "pred_tok_s", "pred_speedup", "best"]),
                   ""]
         if gpus > 1:
-            lines += _node_section(ex, rates, gpus, _expert_dtypes(run_dir))
+            lines += _node_section(ex, rates, gpus, _expert_dtypes(run_dir), out_dir)
     except ValueError as e:
         lines += [f"## {layers} layers", "", f"Not extrapolated: {e}.", ""]
     mem = predict.memory_check(run_dir)
@@ -148,8 +148,10 @@ def _expert_dtypes(run_dir: Path) -> set[str]:
             for line in path.read_text().splitlines() if line.strip()}
 
 
-def _node_section(ex: dict, rates, gpus: int, dtypes: set[str]) -> list[str]:
-    """The TP `gpus` + EP bracket (`speclab.nodecost`) as report lines."""
+def _node_section(ex: dict, rates, gpus: int, dtypes: set[str], out_dir: Path) -> list[str]:
+    """The TP `gpus` + EP bracket (`speclab.nodecost`) as report lines, its figure written
+    into `out_dir`/figures."""
+    from speclab import plots
     try:
         fit = nodecost.expert_fit(ex["fit"])
         if len(dtypes) != 1:
@@ -170,6 +172,8 @@ def _node_section(ex: dict, rates, gpus: int, dtypes: set[str]) -> list[str]:
           + (": **more than the HBM delivers, so the fit is broken and the numbers below "
              "are not to be read**." if tb_s > nodecost.HBM_TB_S else "."))
     tp_ms = nodecost.divided_ms(fit["beta_ms"], layers, 1, dtype)
+    plots.save(plots.node_bracket(table, gpus, layers), out_dir / "figures", "node_bracket",
+               caption=f"TP {gpus} + EP bracket (speclab.nodecost)")
     return [
         f"## On a TP {gpus} + EP node: predicted from the one-GPU run, not measured", "",
         (f"vLLM 0.34.0 at TP {gpus}, DP 1, expert parallel: {MOE[0] // gpus} routed experts a "
@@ -194,6 +198,7 @@ def _node_section(ex: dict, rates, gpus: int, dtypes: set[str]) -> list[str]:
          f"on the lo to hi curves, beside the one-GPU prediction; best k: {best_k}."), "",
         _md(table, ["draft", "B", "k", "one_gpu", "node_lo", "weights_lo", "weights_hi",
                     "node_hi", "best_in"]), "",
+        f"![TP {gpus} + EP bracket](figures/node_bracket.png)", "",
         _md(corners, ["draft", "B", "k", "tp", "allreduce", "plain_ms", "verify_ms",
                       "draft_ms", "pred_tok_s", "pred_speedup", "best"]), "",
         ("Not covered: a trained router's imbalance (the fixture's router spreads tokens "

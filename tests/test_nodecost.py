@@ -44,19 +44,24 @@ def test_slowest_rank_experts_against_exact_values():
 
 
 def test_allreduce_curves():
-    """Both curves pass through their table's points (lo's sizes read as bf16 elements; a
-    point below a smaller message's is levelled up to it), never fall as the message grows,
-    and lo stays below hi."""
-    for corner, per in (("hi", 1), ("lo", 2)):
-        levelled = np.maximum.accumulate(nodecost.AR_US[corner])
+    """Each curve passes through its table's points (lo's sizes read as bf16 elements; a point
+    below a smaller message's is levelled up to it), never falls as the message grows, and lo
+    stays below hi; one GPU has no collective, a count without a curve is refused."""
+    for gpus, corner in itertools.product((2, 4, 8), ("lo", "hi")):
+        per = 2 if corner == "lo" else 1
+        levelled = np.maximum.accumulate(nodecost.AR_US[gpus][corner])
         for size, us in zip(nodecost.AR_SIZES, levelled):
-            assert nodecost.allreduce_us(per * size, corner) == pytest.approx(us)
+            assert nodecost.allreduce_us(per * size, corner, gpus) == pytest.approx(us)
     assert nodecost.allreduce_us(4096, "hi") == pytest.approx(10.1)  # 9.3 in the table
     sizes = [2 ** p for p in range(8, 24)]
-    for corner in ("lo", "hi"):
-        t = [nodecost.allreduce_us(b, corner) for b in sizes]
+    for gpus, corner in itertools.product((2, 4, 8), ("lo", "hi")):
+        t = [nodecost.allreduce_us(b, corner, gpus) for b in sizes]
         assert all(b >= a for a, b in itertools.pairwise(t))
-    assert all(nodecost.allreduce_us(b, "lo") < nodecost.allreduce_us(b, "hi") for b in sizes)
+    assert all(nodecost.allreduce_us(b, "lo", g) < nodecost.allreduce_us(b, "hi", g)
+               for b in sizes for g in (2, 4, 8))
+    assert nodecost.allreduce_us(8192, "hi", 1) == 0.0
+    with pytest.raises(ValueError, match="no published all-reduce curve for 16 GPUs"):
+        nodecost.allreduce_us(8192, "hi", 16)
 
 
 def test_expert_fit_recovers_the_per_expert_cost_and_refuses_what_it_cannot_split():
@@ -79,19 +84,20 @@ def _extrapolated() -> dict:
                                predict.PUBLISHED_EAGLE31)
 
 
-def test_one_gpu_without_collectives_is_the_cost_model():
-    """At G = 1 every `tp` corner with free collectives gives `predict.extrapolate`'s
-    prediction exactly; the control: with collectives on the lo curve every verify step
-    costs more."""
+def test_one_gpu_is_the_cost_model():
+    """At G = 1 (no collectives, nothing to divide) every corner gives `predict.extrapolate`'s
+    prediction exactly; the control: at G = 2 with nothing divided and free collectives, the
+    busiest GPU reads fewer experts than one GPU does, and every verify step is cheaper."""
     ex = _extrapolated()
     b = nodecost.bracket(ex, predict.PUBLISHED_EAGLE31, gpus=1)
-    free = b[b.allreduce == "none"]
-    one = ex["prediction"].merge(free, on=["draft", "B", "k"], suffixes=("", "_node"))
-    assert len(one) == len(nodecost.TP_CORNERS) * len(ex["prediction"])
+    one = ex["prediction"].merge(b, on=["draft", "B", "k"], suffixes=("", "_node"))
+    assert len(one) == len(nodecost.TP_CORNERS) * len(nodecost.AR_CORNERS) * len(ex["prediction"])
     np.testing.assert_allclose(one.pred_speedup_node, one.pred_speedup, rtol=1e-12)
-    lo, free = (x.reset_index(drop=True) for x in (b[b.allreduce == "lo"], free))
-    m = lo.verify_ms.notna()
-    assert m.sum() > 10 and (lo.verify_ms[m] > free.verify_ms[m]).all()
+    b2 = nodecost.bracket(ex, predict.PUBLISHED_EAGLE31, gpus=2)
+    two = ex["prediction"].merge(b2[(b2.tp == "latency") & (b2.allreduce == "none")],
+                                 on=["draft", "B", "k"], suffixes=("", "_node")).dropna(
+                                     subset=["verify_ms"])
+    assert len(two) > 5 and (two.verify_ms_node < two.verify_ms).all()
 
 
 def test_what_tp_divides_scales_with_what_is_read():
@@ -149,3 +155,11 @@ def test_a_per_expert_cost_faster_than_the_hbm_is_flagged(tmp_path, monkeypatch)
     assert "the fit is broken" in run(1000, "fast")
     ok = run(5000, "plausible")
     assert "not measured" in ok.splitlines()[0] and "broken" not in ok
+
+
+def test_predict_refuses_a_node_without_an_allreduce_curve(tmp_path, capsys):
+    """`speclab predict --gpus 16` stops with a clear error before reading the run."""
+    from speclab import cli
+
+    assert cli.main(["predict", str(tmp_path / "no-such-run"), "--gpus", "16"]) == 1
+    assert "all-reduce curves for [2, 4, 8] GPUs" in capsys.readouterr().err

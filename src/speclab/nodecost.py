@@ -26,7 +26,7 @@ the rest that TP divides, and t_ar, one collective, were not measured; the brack
   expert, `wq_b`, `wo_a`, `wo_b`, per step the head; for the draft its sharded weights k
   times; at the rate beta reads experts, `divided_ms`), `all` (V = R: TP divides the rest);
 * `allreduce`: `none` (free: the floor), `lo` and `hi`, two published small-message
-  all-reduce curves (`AR_US`).
+  all-reduce curves at G GPUs (`AR_US`: G = 2, 4, 8).
 
 With G = 1 the model is `predict.predict`'s. Not covered: imbalance from a trained router,
 EPLB, DP attention and all-to-all (DP > 1), MTP at real shape, GPUs other than the one
@@ -48,23 +48,31 @@ HIDDEN = 4096  # DeepSeek-V4-Flash's hidden_size
 MOE_INTERMEDIATE = 2048
 BF16 = 2
 HBM_TB_S = 4.8  # the H200's HBM3e (NVIDIA's datasheet), where every real-shape run ran
-# One all-reduce on 8 H100s over NVLink, CUDA graphs off: SGLang PR #2904's table (sgl-project/
-# sglang, "optimize custom allreduce kernel"), microseconds at "data size" 512 ... 1048576, a
-# unit the table does not state. lo: SGLang's kernel with the size read as bf16 elements;
-# hi: vLLM's custom all-reduce with the size read as bytes.
+# One all-reduce on 2, 4 and 8 H100s over NVLink, CUDA graphs off: SGLang PR #2904's table
+# (sgl-project/sglang, "optimize custom allreduce kernel"), microseconds at "data size" 512 ...
+# 1048576, a unit the table does not state. lo: SGLang's kernel with the size read as bf16
+# elements; hi: vLLM's custom all-reduce with the size read as bytes.
 AR_SIZES = (512, 4096, 32768, 262144, 524288, 1048576)
-AR_US = {"lo": (5.9, 5.7, 7.8, 16.7, 22.1, 33.8), "hi": (10.1, 9.3, 11.8, 24.1, 30.4, 45.0)}
+AR_US = {
+    2: {"lo": (3.7, 3.9, 4.5, 7.9, 12.5, 19.9), "hi": (9.5, 8.8, 8.7, 12.9, 17.7, 26.6)},
+    4: {"lo": (4.8, 3.7, 4.8, 13.9, 20.2, 31.1), "hi": (9.1, 8.5, 9.2, 20.6, 26.9, 40.2)},
+    8: {"lo": (5.9, 5.7, 7.8, 16.7, 22.1, 33.8), "hi": (10.1, 9.3, 11.8, 24.1, 30.4, 45.0)},
+}
 AR_BYTES_PER_SIZE = {"lo": BF16, "hi": 1}
 
 
-def allreduce_us(nbytes: float, corner: str) -> float:
-    """One collective of `nbytes` at the `corner` curve of `AR_US` (`none`: 0): linear in log size
-    between the table's points, linear in bytes past the last, the first below it; a larger
-    message never costs less (the table's dips below 32 K, its noise, are levelled up)."""
-    if corner == "none":
+def allreduce_us(nbytes: float, corner: str, gpus: int = 8) -> float:
+    """One collective of `nbytes` over `gpus` GPUs at the `corner` curve of `AR_US` (`none`:
+    0; one GPU: 0): linear in log size between the table's points, linear in bytes past the
+    last, the first below it; a larger message never costs less (the table's dips below
+    32 K, its noise, are levelled up). ValueError for a GPU count the table lacks."""
+    if corner == "none" or gpus == 1:
         return 0.0
+    if gpus not in AR_US:
+        raise ValueError(f"no published all-reduce curve for {gpus} GPUs (have "
+                         f"{sorted(AR_US)})")
     x = np.array(AR_SIZES, float) * AR_BYTES_PER_SIZE[corner]
-    y = np.maximum.accumulate(np.array(AR_US[corner], float))
+    y = np.maximum.accumulate(np.array(AR_US[gpus][corner], float))
     if nbytes >= x[-1]:
         return float(y[-1] + (nbytes - x[-1]) * (y[-1] - y[-2]) / (x[-1] - x[-2]))
     return float(np.interp(np.log(max(nbytes, x[0])), np.log(x), y))
@@ -155,7 +163,7 @@ def node_step(t1: float, n: float, layers: int, beta: float, gpus: int, tp: str,
     experts = layers * beta
     rest = t1 - experts * predict.experts_touched(n, *moe)
     div = {"latency": 0.0, "weights": divided_ms(beta, layers, 0, dtype)[0], "all": rest}[tp]
-    comm = (2 * layers + 1) * allreduce_us(n * HIDDEN * BF16, corner) / 1e3
+    comm = (2 * layers + 1) * allreduce_us(n * HIDDEN * BF16, corner, gpus) / 1e3
     return rest - (1 - 1 / gpus) * div + experts * max_rank_experts(round(n), gpus, *moe) + comm
 
 
@@ -188,7 +196,7 @@ def bracket(ex: dict, rates, gpus: int = 8, ks=range(1, 6), moe=predict.MOE,
             div = {"latency": 0.0, "weights": min(t_draft, divided_ms(beta, layers, k, dtype)[1]),
                    "all": t_draft}[tp]
             draft_ms = (t_draft - (1 - 1 / gpus) * div
-                        + 3 * k * allreduce_us(B * HIDDEN * BF16, corner) / 1e3)
+                        + 3 * k * allreduce_us(B * HIDDEN * BF16, corner, gpus) / 1e3)
             al = predict.acceptance_length(rates, k)
             rows.append({"gpus": gpus, "draft": draft, "B": B, "k": k, "tp": tp,
                          "allreduce": corner, "al": al, "plain_ms": t0, "verify_ms": verify,

@@ -33,14 +33,18 @@ def report(run_dir: Path, rates=predict.PUBLISHED_EAGLE31,
            gpus: int = 8) -> Path:
     """`predict.md` and `predict.html` (+ `speedup_vs_k` figure) for a gpubench run folder:
     measured speedup vs k per batch size with CIs, predicted beside measured with the largest
-    error, the best k, and the `layers`-layer prediction at acceptance `rates` with its fit.
-    Raises ValueError when the run has no timed round."""
+    error, the best k, the `layers`-layer prediction at acceptance `rates` with its fit, and
+    (`gpus` > 1) what a TP `gpus` + EP node changes to it. Raises ValueError when the run has
+    no timed round or no all-reduce curve exists for `gpus`."""
     import html
 
     import mistune
 
     from speclab import plots, store
 
+    if gpus != 1 and gpus not in nodecost.AR_US:
+        raise ValueError(f"--gpus {gpus}: the node bracket has all-reduce curves for "
+                         f"{sorted(nodecost.AR_US)} GPUs (1: no node section)")
     run_dir = Path(run_dir)
     out_dir = Path(out_dir or run_dir)
     res = predict.load(run_dir)
@@ -192,7 +196,7 @@ def _node_section(ex: dict, rates, gpus: int, dtypes: set[str], out_dir: Path) -
          "TP splits besides the routed experts at beta's rate: "
          f"{tp_ms[0]:.2f} ms a target step, the head included, and {tp_ms[1]:.2f} ms a draft "
          "forward), `all`. `allreduce`, one collective: `none` (the floor), `lo` and `hi`, "
-         "two published small-message all-reduce curves on 8 H100s over NVLink (SGLang PR "
+         f"two published small-message all-reduce curves on {gpus} H100s over NVLink (SGLang PR "
          "#2904; lo: SGLang's kernel, hi: vLLM's custom all-reduce). Per (B, k): the lowest "
          "and highest speedup over the nine corners and the `weights` band with collectives "
          f"on the lo to hi curves, beside the one-GPU prediction; best k: {best_k}."), "",

@@ -200,22 +200,26 @@ def open_llm(args: dict[str, Any], *, shutdown: bool = True) -> Iterator[Any]:
     llm = LLM(**args)
     try:
         yield llm
-    finally:
+    finally:  # no return in here: it would swallow what the body raised
         if not shutdown:
             _LEFT_OPEN.append(llm)  # freed, it would shut down (vLLM's finalizer)
-            return
-        core = getattr(llm.llm_engine, "engine_core", None)
-        if core is not None and hasattr(core, "shutdown"):
-            core.shutdown()
-        del llm
-        gc.collect()
-        try:
-            import torch
+        else:
+            core = getattr(llm.llm_engine, "engine_core", None)
+            if core is not None and hasattr(core, "shutdown"):
+                core.shutdown()
+            del llm
+            gc.collect()
+            _empty_cuda_cache()
 
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
-        except ImportError:
-            pass
+
+def _empty_cuda_cache() -> None:
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    except ImportError:
+        pass
 
 
 def generate_stepwise(llm, prompts: list[list[int]], sampling_params,

@@ -145,6 +145,63 @@ def test_oracle_draft_counts_and_expectation_matches(pair):
     assert not torch.equal(ch[:, 0], toks[1:] + 1)
 
 
+def _stored_names(folder) -> dict:
+    """name -> (shape, dtype name) of every tensor of a checkpoint folder's shards."""
+    from safetensors.torch import load_file
+
+    return {k: (tuple(v.shape), str(v.dtype).replace("torch.", ""))
+            for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
+
+
+def test_an_mtp_target_shares_its_layers_and_drafts_the_bigram(pair):
+    """`mtp: true` adds DeepSeek-V4-Flash's `mtp.0` at its shape, loadable by vLLM's MTP and
+    target loaders alike; the layers stay the pool's; the MTP reads out the target's bigram
+    (acceptance 1: `expected_counters` accepts every draft); the control: an `e_proj` other
+    than the identity reads out something else."""
+    from speclab.fixtures import dsv4_mtp as MTP
+
+    root, meta4, _ = pair
+    m = R.build_realshape_dsv4(root / "t4m", seed=0, num_layers=4, mtp=True)
+    cfg = json.loads((root / "t4m" / "config.json").read_text())
+    assert cfg["num_nextn_predict_layers"] == 1 and m["pool"] == meta4["pool"]
+    assert (root / "t4m" / "layer-03.safetensors").resolve() == \
+        (root / "t4" / "layer-03.safetensors").resolve()
+    assert not (root / "t4" / R.MTP_SHARD).exists()
+    assert m["mtp_accuracy"] == 1.0 and m["mtp_min_margin"] > 10
+    names = _stored_names(root / "t4m")
+    assert {k: v for k, v in names.items() if k.startswith("mtp.")} == \
+        MTP.mtp_checkpoint_names(cfg)
+    idx = json.loads((root / "t4m" / R.INDEX).read_text())
+    assert idx["weight_map"]["mtp.0.e_proj.weight"] == R.MTP_SHARD
+    succ = R.successors(root / "t4m")
+    prompts = R.prompt_ids(3, 12, seed=1, max_tokens=24, k=3)
+    c = R.expected_counters(succ, prompts, 3, 24, draft_succ=succ)
+    assert c["accepted_per_pos"] == [c["num_drafts"]] * 3
+    with safe_open(str(root / "t4m" / R.EMBED_SHARD), "pt") as f:
+        target = {k: f.get_tensor(k) for k in ("embed.weight", "head.weight")}
+    flipped = R._readout(cfg, target, torch.tensor(succ), "cpu", e_proj=-torch.eye(4096))
+    assert flipped["bigram_accuracy"] < 0.01
+    with pytest.raises(ValueError, match="mtp must be true or false"):
+        R.build_realshape_dsv4(root / "bad", num_layers=4, mtp="maybe")
+
+
+def test_the_mtp_block_adds_nothing_in_the_reference(pair):
+    """With FP8 experts (what the loader model and the reference know; MXFP4 experts differ
+    only in the experts' storage): vLLM's MTP and target loaders take the checkpoint, and
+    through transformers' DeepSeek-V4 layer as the MTP block (`dsv4_mtp.mtp_successors`) the
+    draft after every id is the target's bigram, whatever order the ids come in."""
+    from speclab.fixtures import dsv4_mtp as MTP
+
+    root, _, _ = pair
+    R.build_realshape_dsv4(root / "t3m8", seed=0, num_layers=3, mtp=True, expert_dtype="fp8")
+    cfg = json.loads((root / "t3m8" / "config.json").read_text())
+    names = _stored_names(root / "t3m8")
+    assert MTP.check_vllm_mtp_loadable(cfg, names) == []
+    assert T.check_vllm022_loadable(cfg, names) == []
+    ref = MTP.mtp_successors(root / "t3m8")
+    assert ref["order_independent"] and ref["successors"] == R.successors(root / "t3m8")
+
+
 def test_a_deep_target_stores_one_layer_per_kind_and_the_loader_yields_every_layer(pair):
     """`repeat_layers`: four stored shards stand for nine layers; what `speclab_repeat` yields
     is every tensor the nine-layer model asks for, each equal to its kind's stored layer.

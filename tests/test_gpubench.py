@@ -31,7 +31,8 @@ def fake_pair(tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(FAKES), os.environ.get("PYTHONPATH", "")]))
     monkeypatch.setattr(G, "gpu_memory", lambda: (139.8, 0.5))
     monkeypatch.setattr(G, "START_GAP_S", 0)
-    return {(4, "fp4", 4): (str(t), str(tmp_path / "draft"))}
+    return {(4, "fp4", 4, False): (str(t), str(tmp_path / "draft")),
+            (4, "fp4", 4, True): (str(t), "")}  # the MTP's target: no draft
 
 
 def test_drive_interleaves_checks_and_resumes(tmp_path, fake_pair):
@@ -63,12 +64,40 @@ def test_drive_interleaves_checks_and_resumes(tmp_path, fake_pair):
     assert len((state / "results.jsonl").read_text().splitlines()) == n
 
 
+def test_mtp_engines_draft_with_the_targets_own_head(tmp_path, fake_pair, monkeypatch):
+    """Method mtp: the target with its MTP module, no draft checkpoint, counters checked
+    against the MTP's expectation (every draft right); the control: a drafter that accepts
+    nothing makes every speculative pass inexact."""
+    e = G.Engine(32, 3, batches=(1, 16), method="mtp")
+    assert e.name == "L32-k3-graphs-mtp" and e.fixture == (32, "fp4", 4, True)
+    assert G.Engine(32, 0, method="mtp").fixture == (32, "fp4", 4, False)  # plain is plain
+    args = G.engine_args(e, "t", None, G.KV_BYTES, 0.2)
+    assert args["speculative_config"] == {"method": "mtp", "num_speculative_tokens": 3}
+    with pytest.raises(ValueError, match="method must be eagle3 or mtp"):
+        G.Engine(4, 3, method="medusa")
+    state = tmp_path / "state"
+    assert G.drive(state, time.time() + 300, "smoke-mtp", 1, paths=fake_pair) == 0
+    rows = [json.loads(x) for x in (state / "results.jsonl").read_text().splitlines()]
+    mtp = [r for r in rows if r["op"] == "pass" and r["k"]]
+    assert mtp and all(G.pass_exact(r) for r in mtp)
+    assert all(r["counters"]["accepted_per_pos"] == [r["counters"]["num_drafts"]] * 3
+               for r in mtp)
+    eng = [json.loads(x) for x in (state / "engines.jsonl").read_text().splitlines()]
+    assert [e["resolved"]["speculative"] for e in eng if e["k"]] == [{"method": "mtp", "k": 3}]
+    monkeypatch.setenv("FAKE_VLLM_GRAPHED_DRAFT_REJECTS", "1")
+    bad = tmp_path / "bad"
+    G.drive(bad, time.time() + 300, "smoke-mtp", 1, paths=fake_pair)
+    rows = [json.loads(x) for x in (bad / "results.jsonl").read_text().splitlines()]
+    assert not any(G.pass_exact(r) for r in rows if r["op"] == "pass" and r["k"])
+
+
 def test_breaks_then_fit_falls_back_to_the_eager_drafter_when_the_check_fails(tmp_path,
                                                                              fake_pair, monkeypatch):
     """The graphed drafter's check decides how k = 3 at 32 layers runs (a fake whose graphed
     drafter accepts nothing, as vLLM 0.26 did before overlay 2.1.0: eager)."""
     monkeypatch.setenv("FAKE_VLLM_GRAPHED_DRAFT_REJECTS", "1")
-    paths = {**fake_pair, **{(n, "fp4", 4): fake_pair[(4, "fp4", 4)] for n in (24, 32)}}
+    paths = {**fake_pair, **{(n, "fp4", 4, False): fake_pair[(4, "fp4", 4, False)]
+                             for n in (24, 32)}}
     state = tmp_path / "state"
     assert G.drive(state, time.time() + 300, "breaks-then-fit", 0, paths=paths, tokens=8) == 0
     rows = store.read_jsonl(state / "results.jsonl")
@@ -304,7 +333,7 @@ def test_oracle_diag_plan_separates_kv_grouping_and_graphs():
     assert [e.name for e in plan] == ["L4-k3-graphs", "L4-k3-eager", "L4-k3-graphs-kvg1",
                                       "L4-k3-eager-kvg1", "L4-k3-graphs-drafteager",
                                       "L4-k3-graphs-fasplits0"]
-    assert {e.fixture for e in plan} == {(4, "fp4", 4), (4, "fp4", 1)}
+    assert {e.fixture for e in plan} == {(4, "fp4", 4, False), (4, "fp4", 1, False)}
 
 
 def test_oracle_diag_arms_set_draft_eager_and_fa_splits():

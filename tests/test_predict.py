@@ -322,3 +322,22 @@ def test_the_committed_drafter_graphs_run_is_exact_and_predicted_within_five_per
     bad["counters"]["accepted_per_pos"] = [bad["counters"]["accepted_per_pos"][0] - 1,
                                            *bad["counters"]["accepted_per_pos"][1:]]
     assert passes[-1]["k"] and not gpubench.pass_exact(bad)
+
+
+def test_each_method_is_predicted_at_its_own_acceptance():
+    """An MTP engine (gpubench `...-mtp`) is a draft setting of its own, predicted at the MTP
+    profile of a {method: rates} mapping while EAGLE-3's settings take theirs; one profile
+    for all still works."""
+    res = rows(layers=(4,), rounds=2)
+    mtp = res[res.k > 0].assign(engine=lambda d: d.engine + "-graphs-mtp")
+    both = pd.concat([res, mtp], ignore_index=True)
+    costs, drafts = predict.step_costs(both), predict.draft_ms(both)
+    assert set(drafts.draft) == {"", "mtp"}
+    assert [predict.method_of(d) for d in ("", "drafteager", "mtp", "mtp-drafteager")] == \
+        ["eagle3", "eagle3", "mtp", "mtp"]
+    p = predict.predict(costs, drafts, {"eagle3": (0.6, 0.4, 0.3), "mtp": (0.8, 0.4)},
+                        ks=[2], batches=[1])
+    al = dict(zip(p.draft, p.al))
+    assert al[""] == pytest.approx(2.0) and al["mtp"] == pytest.approx(2.2)
+    one = predict.predict(costs, drafts, (0.6, 0.4, 0.3), ks=[2], batches=[1])
+    assert len(one) == 2 and one.al.tolist() == pytest.approx([2.0, 2.0])

@@ -238,9 +238,10 @@ def cmd_predict(a) -> int:
     from speclab import predictreport
 
     rates = [float(x) for x in a.acceptance.split(",")]
+    mtp_rates = [float(x) for x in a.acceptance_mtp.split(",")]
     try:
         path = predictreport.report(Path(a.run_dir), rates, a.layers,
-                                    Path(a.out) if a.out else None, a.gpus)
+                                    Path(a.out) if a.out else None, a.gpus, mtp_rates)
     except (FileNotFoundError, ValueError) as e:
         print(f"speclab: error: {e}", file=sys.stderr)
         return 1
@@ -395,6 +396,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_dir")
     p.add_argument("--acceptance", default="0.617,0.433,0.294",
                    help="per-position unconditional acceptance (default: published EAGLE3.1)")
+    p.add_argument("--acceptance-mtp", default="0.769,0.381",
+                   help="the same for MTP engines (default: DeepSeek-V4-Flash's MTP in vLLM "
+                   "PR #41044)")
     p.add_argument("--layers", type=int, default=43, help="target depth to extrapolate to")
     p.add_argument("--gpus", type=int, default=8,
                    help="GPUs of the TP + EP node the extrapolation is carried to (a bracket, "

@@ -68,10 +68,20 @@ class Engine:
     gate: tuple[str, bool] | None = None  # run only once (engine, exact) holds: `gate_open`
     cold_jit: bool = False  # HOME an empty folder: no Triton/TileLang/DeepGEMM/vLLM cache
     serve: bool = False  # behind `vllm serve`: B requests at once over HTTP (`serve_worker`)
+    method: str = "eagle3"  # or "mtp": the target's own MTP module (realshape `mtp`)
+
+    def __post_init__(self):
+        if self.method not in ("eagle3", "mtp"):
+            raise ValueError(f"method must be eagle3 or mtp: {self.method!r}")
+
+    @property
+    def mtp(self) -> bool:
+        return bool(self.k) and self.method == "mtp"
 
     @property
     def name(self) -> str:
-        tag = "" if self.draft_kv_group == 4 else f"-kvg{self.draft_kv_group}"
+        tag = "-mtp" if self.mtp else ""
+        tag += "" if self.draft_kv_group == 4 else f"-kvg{self.draft_kv_group}"
         tag += "-drafteager" if self.draft_eager else ""
         tag += "" if self.fa_splits is None else f"-fasplits{self.fa_splits}"
         tag += "-coldjit" if self.cold_jit else ""
@@ -79,9 +89,10 @@ class Engine:
         return f"L{self.layers}-k{self.k}-{'eager' if self.eager else 'graphs'}{tag}"
 
     @property
-    def fixture(self) -> tuple[int, str, int]:
-        """What its checkpoints are built from: (layers, expert dtype, draft KV group)."""
-        return self.layers, self.expert_dtype, self.draft_kv_group
+    def fixture(self) -> tuple[int, str, int, bool]:
+        """What its checkpoints are built from: (layers, expert dtype, draft KV group, the
+        target with its MTP module)."""
+        return self.layers, self.expert_dtype, self.draft_kv_group, self.mtp
 
     @property
     def kv_bytes(self) -> int:
@@ -206,6 +217,15 @@ def deep_rest_plan(layers: int = 32) -> list[Engine]:
             *(Engine(layers, k, batches=(1, 4, 16)) for k in (2, 4))]
 
 
+def mtp_plan(layers: int = 32) -> list[Engine]:
+    """DeepSeek-V4's own MTP head against plain decoding at real shape: plain and method
+    `mtp` at k = 1 and 3, B = 1 and 16, drafter in its CUDA graphs, one engine at a time
+    above 8 layers (the MTP drafts the target's bigram: acceptance 1, so its step costs are
+    timed and `speclab predict` puts a published MTP acceptance on them)."""
+    return [Engine(layers, 0, batches=(1, 16), extra_batches=verify_batches((1, 16), (1, 3))),
+            *(Engine(layers, k, batches=(1, 16), method="mtp") for k in (1, 3))]
+
+
 def jit_cold_plan() -> list[Engine]:
     """What the carried JIT caches save: k = 3 at 4 layers, B = 1, started with no cache (its
     own empty HOME) and then with the carried ones; compare `engine_init_s` and round 0."""
@@ -243,6 +263,10 @@ PLANS = {**{f"timing-{v}": (lambda v=v: timing_plan(v)) for v in DRAFT_VARIANTS}
          **{f"timing-deep-k{k}": (lambda k=k: [Engine(32, k, batches=(1, 16))])
             for k in range(1, 6)},
          "timing-deep-rest": deep_rest_plan, "jit-cold": jit_cold_plan,
+         "timing-deep-mtp": mtp_plan,
+         # the MTP load path and its counters at 4 layers, minutes not a session
+         "smoke-mtp": lambda: [Engine(4, 0, batches=(1,)),
+                               Engine(4, 3, batches=(1,), method="mtp")],
          "serve-deep": lambda: [Engine(32, 0, batches=(1, 16), serve=True),
                                 Engine(32, 3, batches=(1, 16), serve=True)],
          "serve-smoke": lambda: [Engine(4, 0, batches=(1, 4), serve=True),
@@ -291,11 +315,13 @@ def engine_args(eng: Engine, target: str, draft: str | None, kv_bytes: int,
         # graphs for every verify step of the plan (B x (k + 1) tokens)
         args["compilation_config"] = {"max_cudagraph_capture_size":
                                       max(8, eng.max_num_seqs * (eng.k + 1))}
-    if eng.k:
+    if eng.mtp:  # the target's own mtp.0: no draft checkpoint
+        args["speculative_config"] = {"method": "mtp", "num_speculative_tokens": eng.k}
+    elif eng.k:
         args["speculative_config"] = {"method": "eagle3", "model": draft,
                                       "num_speculative_tokens": eng.k}
-        if eng.draft_eager:
-            args["speculative_config"]["enforce_eager"] = True
+    if eng.k and eng.draft_eager:
+        args["speculative_config"]["enforce_eager"] = True
     if eng.fa_splits is not None:
         args["attention_config"] = {"flash_attn_max_num_splits_for_cuda_graph": eng.fa_splits}
     from speclab.fixtures import repeat_loader
@@ -353,6 +379,7 @@ def worker(spec: dict, out_fd: int) -> int:
          "vllm": vllm.__version__, "resolved": settings})
     succ = realshape.successors(spec["args"]["model"])
     k = spec["k"]
+    draft_succ = _draft_successors(spec, succ)
     timing = Path(spec["timing_dir"])
 
     def gen(prompts, n):
@@ -382,7 +409,7 @@ def worker(spec: dict, out_fd: int) -> int:
                    "prompt_tokens": sum(map(len, prompts)),
                    "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs)}
             if k:
-                msg["expected"] = realshape.expected_counters(succ, prompts, k, n)
+                msg["expected"] = realshape.expected_counters(succ, prompts, k, n, draft_succ)
             say(msg)
         elif cmd["op"] == "split":
             before = len(steptiming.read(timing))
@@ -395,6 +422,13 @@ def worker(spec: dict, out_fd: int) -> int:
         else:  # the driver would wait for an answer that never comes
             raise ValueError(f"an offline engine has no op {cmd['op']!r}")
     return 0
+
+
+def _draft_successors(spec: dict, succ: list[int]) -> list[int] | None:
+    """The drafter's next id after each id where it is not the EAGLE-3 counting oracle's
+    (input + 1): the real-shape MTP reads out the target's own bigram (`realshape` `mtp`)."""
+    sc = spec["args"].get("speculative_config") or {}
+    return succ if sc.get("method") == "mtp" else None
 
 
 def serve_log(log_path: Path) -> Path:
@@ -416,6 +450,7 @@ def serve_worker(spec: dict, say) -> int:
     log_path = serve_log(Path(spec["log_path"]))
     succ = realshape.successors(spec["args"]["model"])
     k = spec["k"]
+    draft_succ = _draft_successors(spec, succ)
     t0 = time.perf_counter()
     with server.running_server(spec["args"], {}, log_path) as url:
         import httpx
@@ -453,7 +488,7 @@ def serve_worker(spec: dict, say) -> int:
                    "ttft_s": median(o["ttft_s"] for o in outs),
                    "tpot_s": median(o["tpot_s"] for o in outs if o["tpot_s"] is not None)}
             if k:
-                msg["expected"] = realshape.expected_counters(succ, ids, k, n)
+                msg["expected"] = realshape.expected_counters(succ, ids, k, n, draft_succ)
             say(msg)
     return 0
 
@@ -648,32 +683,37 @@ def pack_groups(plan: list[Engine], weights_gib: dict[int, float], capacity_gib:
     return groups
 
 
-def build_fixtures(plan: list[Engine], fh) -> dict[tuple[int, str, int], tuple[str, str]]:
+def build_fixtures(plan: list[Engine], fh) -> dict[tuple[int, str, int, bool], tuple[str, str]]:
     """Build the plan's fixtures, each in a process of its own (the builder's GPU memory goes
-    back before the engines start: in-process it kept 13.5 GiB, which an engine then lacked)."""
+    back before the engines start: in-process it kept 13.5 GiB, which an engine then lacked);
+    an MTP engine's is the target with its MTP module and no draft ("")."""
     from speclab import fixtures
 
     paths = {}
-    for layers, xd, kvg in sorted({e.fixture for e in plan}):
+    for layers, xd, kvg, mtp in sorted({e.fixture for e in plan}):
         t0 = time.time()
         p = {"realshape-dsv4": {"num_layers": layers, "expert_dtype": xd,
-                                **({"repeat_layers": True} if layers > REPEAT_ABOVE else {})},
-             "realshape-dsv4-eagle3": {"kv_group": kvg}}
+                                **({"repeat_layers": True} if layers > REPEAT_ABOVE else {}),
+                                **({"mtp": True} if mtp else {})},
+             **({} if mtp else {"realshape-dsv4-eagle3": {"kv_group": kvg}})}
         args = [f"--param={name}.{k}={v}" for name, kv in p.items() for k, v in kv.items()]
         subprocess.run([sys.executable, "-m", "speclab", "fixtures", "build",
-                        "realshape-dsv4-eagle3", *args], check=True, stdout=fh,
-                       stderr=subprocess.STDOUT)
+                        "realshape-dsv4" if mtp else "realshape-dsv4-eagle3", *args],
+                       check=True, stdout=fh, stderr=subprocess.STDOUT)
         target = fixtures.fixture_dir("realshape-dsv4", params={"realshape-dsv4":
                                                                 p["realshape-dsv4"]})
-        draft = fixtures.fixture_dir("realshape-dsv4-eagle3", params=p)
-        paths[(layers, xd, kvg)] = (str(target), str(draft))
-        LOG.info(f"fixtures L{layers} {xd} kv_group {kvg}: {target.name}, {draft.name} "
-                 f"({time.time() - t0:.0f} s)")
+        draft = "" if mtp else str(fixtures.fixture_dir("realshape-dsv4-eagle3", params=p))
+        paths[(layers, xd, kvg, mtp)] = (str(target), draft)
+        LOG.info(f"fixtures L{layers} {xd} " + (f"with its MTP: {target.name} " if mtp else
+                 f"kv_group {kvg}: {target.name}, {Path(draft).name} ")
+                 + f"({time.time() - t0:.0f} s)")
     return paths
 
 
 def draft_gib(draft: str) -> float:
-    """The draft checkpoint's size (0 where it is not built)."""
+    """The draft checkpoint's size (0 where there is none or it is not built)."""
+    if not draft:
+        return 0.0
     return sum(p.stat().st_size for p in Path(draft).glob("*.safetensors")) / GIB
 
 
@@ -721,8 +761,10 @@ def _drive(state: Path, deadline: float, plan_name: str, rounds: int, paths, fh,
             launch.stop(p)
         LOG.info(f"mHC warm-up: exit codes {[p.returncode for p in warming]} "
                  f"({time.time() - t0:.0f} s after the fixtures; logs/warm*.log)")
-    weights = {e.layers: index_gib(paths[e.fixture][0]) + draft_gib(paths[e.fixture][1])
-               for e in plan}  # planned as if every engine loads a draft
+    weights: dict[int, float] = {}  # the largest checkpoint of each depth: what a group plans
+    for e in plan:
+        weights[e.layers] = max(weights.get(e.layers, 0.0), index_gib(paths[e.fixture][0])
+                                + draft_gib(paths[e.fixture][1]))
     total, used = gpu_memory()
     overhead = OVERHEAD_GIB
     LOG.info(f"GPU {total:.1f} GiB ({used:.1f} used); weights GiB {weights}")

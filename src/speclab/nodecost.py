@@ -173,18 +173,19 @@ AR_CORNERS = ("none", "lo", "hi")
 
 def bracket(ex: dict, rates, gpus: int = 8, ks=range(1, 6), moe=predict.MOE,
             dtype: str = "fp4") -> pd.DataFrame:
-    """Per (draft setting, B, k, tp, allreduce corner) on a TP `gpus` + EP node: T_G at B and
-    B(k + 1), the drafter, tok/s and speedup (module doc), from `predict.extrapolate`'s
-    result `ex` (its plain curve, drafter times and fit); `best` marks the best k per
-    (draft, B, tp, allreduce)."""
+    """Per (EAGLE-3 draft setting, B, k, tp, allreduce corner) on a TP `gpus` + EP node: T_G
+    at B and B(k + 1), the drafter, tok/s and speedup (module doc), from
+    `predict.extrapolate`'s result `ex` (its plain curve, drafter times and fit); `best`
+    marks the best k per (draft, B, tp, allreduce). An MTP drafter is a MoE layer whose
+    experts EP divides too: not modelled here, its settings have no rows."""
     layers = int(ex["plain"].layers.iloc[0])
     beta = expert_fit(ex["fit"], moe)["beta_ms"]
     curve = ex["plain"].set_index("B").step_ms.sort_index()
     drafts = ex["drafts"]
     rows = []
+    eagle = [d for d in sorted(drafts.draft.unique()) if predict.method_of(d) == "eagle3"]
     for draft, B, tp, corner in itertools.product(
-            sorted(drafts.draft.unique()) or [""], sorted(ex["prediction"].B.unique()),
-            TP_CORNERS, AR_CORNERS):
+            eagle or [""], sorted(ex["prediction"].B.unique()), TP_CORNERS, AR_CORNERS):
         t0 = node_step(predict.plain_at(curve, B, moe), B, layers, beta, gpus, tp, corner,
                        moe, dtype)
         d = drafts[(drafts.draft == draft) & (drafts.B == B)]
@@ -197,7 +198,7 @@ def bracket(ex: dict, rates, gpus: int = 8, ks=range(1, 6), moe=predict.MOE,
                    "all": t_draft}[tp]
             draft_ms = (t_draft - (1 - 1 / gpus) * div
                         + 3 * k * allreduce_us(B * HIDDEN * BF16, corner, gpus) / 1e3)
-            al = predict.acceptance_length(rates, k)
+            al = predict.acceptance_length(predict.rates_for(rates, draft), k)
             rows.append({"gpus": gpus, "draft": draft, "B": B, "k": k, "tp": tp,
                          "allreduce": corner, "al": al, "plain_ms": t0, "verify_ms": verify,
                          "draft_ms": draft_ms, "pred_tok_s": 1e3 * B * al / (verify + draft_ms),

@@ -34,6 +34,9 @@ from speclab import analysis
 # DeepSeek-V4-Flash EAGLE3.1 at k = 3 (SGLang, 8xH20; the draft card's own numbers are
 # k = 3 too): unconditional per-position acceptance
 PUBLISHED_EAGLE31 = (0.617, 0.433, 0.294)
+# DeepSeek-V4-Flash's own MTP head in vLLM at k = 2 (vllm-project/vllm PR #41044: SM120, TP 2,
+# FP8 KV, random 1k/1k prompts, concurrency 1): the only per-position figures published for it
+PUBLISHED_MTP = (0.769, 0.381)
 PRODUCTION_LAYERS = 43
 MOE = (256, 6)  # DeepSeek-V4-Flash's config.json: n_routed_experts, num_experts_per_tok
 
@@ -52,6 +55,18 @@ def acceptance_profile(rates, k: int) -> list[float]:
 
 def acceptance_length(rates, k: int) -> float:
     return 1.0 + sum(acceptance_profile(rates, k)) if k else 1.0
+
+
+def method_of(draft: str) -> str:
+    """The speculative method of a draft setting (`draft_setting`): `mtp` for the target's
+    own MTP head (gpubench names its engines `...-mtp`), else `eagle3`."""
+    return "mtp" if draft.split("-")[0] == "mtp" else "eagle3"
+
+
+def rates_for(rates, draft: str):
+    """The acceptance profile a draft setting is predicted at: `rates` itself, or for a
+    mapping {method: rates} the one of its method (`method_of`)."""
+    return rates[method_of(draft)] if isinstance(rates, dict) else rates
 
 
 # --------------------------------------------------------------------------- measurements
@@ -244,7 +259,8 @@ def predict(costs: pd.DataFrame, drafts: pd.DataFrame, rates, ks=range(1, 6),
             batches=None, moe=MOE) -> pd.DataFrame:
     """Predicted step, tok/s and speedup per (layers, eager, draft, k, B) from the plain
     curve (`plain_at` with `moe`) and the drafter times of each draft setting (module doc),
-    for the acceptance profile `rates`; best k per B is the row with `best` True."""
+    for the acceptance profile `rates` (or {method: rates}, `rates_for`); best k per B is the
+    row with `best` True."""
     rows = []
     for (layers, eager), _ in costs.groupby(["layers", "eager"]):
         curve = plain_curve(costs, layers, eager)
@@ -256,7 +272,7 @@ def predict(costs: pd.DataFrame, drafts: pd.DataFrame, rates, ks=range(1, 6),
                 for k in ks:
                     verify = plain_at(curve, B * (k + 1), moe)
                     step = verify + drafter_at(dd[dd.B == B], k, "draft_ms")
-                    al = acceptance_length(rates, k)
+                    al = acceptance_length(rates_for(rates, draft), k)
                     rows.append({"layers": layers, "eager": eager, "draft": draft, "k": k,
                                  "B": B, "al": al, "verify_ms": verify,
                                  "draft_ms": step - verify, "pred_step_ms": step,
@@ -284,12 +300,12 @@ def validate(results: pd.DataFrame, max_tokens: int = 128) -> pd.DataFrame:
     timed = passes(results, max_tokens)
     rows = []
     for _, r in costs[costs.k > 0].iterrows():
-        p = predict(costs, drafts, _rates_for(r, timed), ks=[r.k], batches=[r.B])
+        p = predict(costs, drafts, _measured_rates(r, timed), ks=[r.k], batches=[r.B])
         p = p[(p.layers == r.layers) & (p.eager == r.eager) & (p.draft == r.draft)]
         if p.empty:
             continue
         q = p.iloc[0]
-        lin = predict(costs, drafts, _rates_for(r, timed), ks=[r.k], batches=[r.B], moe=None)
+        lin = predict(costs, drafts, _measured_rates(r, timed), ks=[r.k], batches=[r.B], moe=None)
         lin = lin[(lin.layers == r.layers) & (lin.eager == r.eager) & (lin.draft == r.draft)]
         serial = q.pred_speedup * q.pred_step_ms / (q.verify_ms + max(q.draft_host_ms,
                                                                       q.draft_ms))
@@ -303,7 +319,7 @@ def validate(results: pd.DataFrame, max_tokens: int = 128) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def _rates_for(row, df: pd.DataFrame) -> list[float]:
+def _measured_rates(row, df: pd.DataFrame) -> list[float]:
     """The measured per-position acceptance of one engine configuration and batch size, over
     its timed passes `df` (`passes`)."""
     g = df[(df.layers == row.layers) & (df.eager == row.eager) & (df.draft == row.draft)
@@ -353,7 +369,7 @@ def extrapolate(costs: pd.DataFrame, drafts: pd.DataFrame, rates, layers: int =
 
 def memory_check(run_dir: Path) -> pd.DataFrame:
     """Per engine of a gpubench run: `speclab.memory`'s weight estimate (target, plus the
-    draft for k > 0) at the engine's max_num_batched_tokens beside vLLM's "Model loading
+    draft, or the MTP module, for k > 0) at the engine's max_num_batched_tokens beside vLLM's "Model loading
     took ... GiB", and the error."""
     import re
 
@@ -374,7 +390,10 @@ def memory_check(run_dir: Path) -> pd.DataFrame:
             cfg = realshape.realshape_config(e["layers"], e.get("expert_dtype", "fp4"))
             est = memory.per_gpu(memory.Files(config=cfg, source="config"), 1,
                                  (batched or [MAX_BATCHED])[-1])[0]
-            if e["k"]:
+            if e["k"] and e.get("method") == "mtp":  # the target's own mtp.0
+                est += sum(memory.mtp_weight_bytes(realshape.realshape_config(
+                    e["layers"], e.get("expert_dtype", "fp4"), mtp=True)))
+            elif e["k"]:
                 est += sum(memory.weight_bytes(realshape.draft_config(cfg)))
             rows.append({"engine": e["engine"], "estimate_gib": est / 2 ** 30,
                          "vllm_gib": took[-1], "error": est / 2 ** 30 / took[-1] - 1})

@@ -30,11 +30,11 @@ def _md(df: pd.DataFrame, cols: list[str]) -> str:
 
 def report(run_dir: Path, rates=predict.PUBLISHED_EAGLE31,
            layers: int = predict.PRODUCTION_LAYERS, out_dir: Path | None = None,
-           gpus: int = 8) -> Path:
+           gpus: int = 8, mtp_rates=predict.PUBLISHED_MTP) -> Path:
     """`predict.md` and `predict.html` (+ `speedup_vs_k` figure) for a gpubench run folder:
     measured speedup vs k per batch size with CIs, predicted beside measured with the largest
-    error, the best k, the `layers`-layer prediction at acceptance `rates` with its fit, and
-    (`gpus` > 1) what a TP `gpus` + EP node changes to it. Raises ValueError when the run has
+    error, the best k, the `layers`-layer prediction at acceptance `rates` (MTP engines at
+    `mtp_rates`) with its fit, and (`gpus` > 1) what a TP `gpus` + EP node changes to it. Raises ValueError when the run has
     no timed round or no all-reduce curve exists for `gpus`."""
     import html
 
@@ -108,8 +108,11 @@ def report(run_dir: Path, rates=predict.PUBLISHED_EAGLE31,
                    "a part the GPU waits for."), "",
                   _md(anatomy.sort_values([*CONFIG, "B", "k"]), cols), ""]
     try:
-        ex = predict.extrapolate(costs, drafts, rates, layers)
-        lines += [f"## {layers} layers at acceptance {list(rates)}", "",
+        by_method = {"eagle3": list(rates), "mtp": list(mtp_rates)}
+        ex = predict.extrapolate(costs, drafts, by_method, layers)
+        has_mtp = any(predict.method_of(d) == "mtp" for d in drafts.draft)
+        lines += [f"## {layers} layers at acceptance {list(rates)}"
+                  + (f" (MTP: {list(mtp_rates)})" if has_mtp else ""), "",
                   (f"Plain step per batch size n fitted as a + b·L over layers "
                   f"{ex['layers_measured']}; drafter times from the {ex['drafts_from_layers']}-"
                   "layer run. One GPU, TP 1"
@@ -120,7 +123,7 @@ def report(run_dir: Path, rates=predict.PUBLISHED_EAGLE31,
                                          "pred_step_ms", "pred_tok_s", "pred_speedup", "best"]),
                   ""]
         if gpus > 1:
-            lines += _node_section(ex, rates, gpus, _expert_dtypes(run_dir), out_dir)
+            lines += _node_section(ex, by_method, gpus, _expert_dtypes(run_dir), out_dir)
     except ValueError as e:
         lines += [f"## {layers} layers", "", f"Not extrapolated: {e}.", ""]
     mem = predict.memory_check(run_dir)

@@ -1,6 +1,7 @@
 """Fake vLLM for CPU tests of speclab.gpubench: greedy outputs follow the fixture's bigram,
-counters follow realshape.expected_counters (with FAKE_VLLM_GRAPHED_DRAFT_REJECTS=1 a drafter
-in its CUDA graphs accepts nothing, as vLLM 0.26 did before overlay 2.1.0)."""
+counters follow realshape.expected_counters, method mtp drafting the target's own bigram (with
+FAKE_VLLM_GRAPHED_DRAFT_REJECTS=1 a drafter in its CUDA graphs accepts nothing, as vLLM 0.26
+did before overlay 2.1.0)."""
 import os
 import time
 from types import SimpleNamespace
@@ -21,6 +22,7 @@ class LLM:
         self.args = args
         sc = args.get("speculative_config")
         self.k = sc["num_speculative_tokens"] if sc else 0
+        self.method = sc["method"] if sc else None
         self.succ = realshape.successors(args["model"])
         self.tot = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0,
                     "accepted_per_pos": [0] * self.k}
@@ -30,14 +32,15 @@ class LLM:
             compilation_config=cc, model_config=SimpleNamespace(enforce_eager=args["enforce_eager"]),
             scheduler_config=SimpleNamespace(async_scheduling=True),
             cache_config=SimpleNamespace(cache_dtype=args["kv_cache_dtype"]),
-            speculative_config=SimpleNamespace(method="eagle3", num_speculative_tokens=self.k) if self.k else None))
+            speculative_config=SimpleNamespace(method=self.method, num_speculative_tokens=self.k) if self.k else None))
         print("Using 'MARLIN' Mxfp4 MoE backend (fake)", flush=True)
 
     def generate(self, prompts, sp, use_tqdm=False):
         from speclab.fixtures import realshape
         ids = [p["prompt_token_ids"] for p in prompts]
         if self.k and sp.max_tokens > 1:
-            c = realshape.expected_counters(self.succ, ids, self.k, sp.max_tokens)
+            c = realshape.expected_counters(self.succ, ids, self.k, sp.max_tokens,
+                                            self.succ if self.method == "mtp" else None)
             graphed = not self.args["speculative_config"].get("enforce_eager")
             if graphed and os.environ.get("FAKE_VLLM_GRAPHED_DRAFT_REJECTS") == "1":
                 c = {**c, "num_accepted_tokens": 0, "accepted_per_pos": [0] * self.k}

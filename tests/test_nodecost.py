@@ -163,3 +163,33 @@ def test_predict_refuses_a_node_without_an_allreduce_curve(tmp_path, capsys):
 
     assert cli.main(["predict", str(tmp_path / "no-such-run"), "--gpus", "16"]) == 1
     assert "all-reduce curves for [2, 4, 8] GPUs" in capsys.readouterr().err
+
+
+def test_an_mtp_drafter_is_carried_like_a_moe_layer():
+    """An MTP drafter's k forwards read E(B) routed experts each: on one GPU its time is what
+    was measured (every corner at G = 1, free collectives: `predict`'s prediction), on 8 GPUs
+    with nothing divided and free collectives exactly its experts' part shrinks to the
+    busiest rank's; an EAGLE-3 drafter (no experts) keeps its time there."""
+    ex = _extrapolated()
+    beta = nodecost.expert_fit(ex["fit"])["beta_ms"]
+    d = ex["drafts"]
+    mtp = d[d.draft == ""].assign(draft="mtp", draft_ms=lambda x: 2.5 * x.draft_ms)
+    ex = {**ex, "drafts": pd.concat([d, mtp], ignore_index=True)}
+    rates = {"eagle3": predict.PUBLISHED_EAGLE31, "mtp": predict.PUBLISHED_MTP}
+    ex["prediction"] = predict.predict(ex["plain"], ex["drafts"], rates,
+                                       batches=sorted(ex["prediction"].B.unique()))
+    one = nodecost.bracket(ex, rates, gpus=1)
+    got = ex["prediction"].merge(one[one.allreduce == "none"], on=["draft", "B", "k"],
+                                 suffixes=("", "_node")).dropna(subset=["pred_speedup"])
+    assert {"", "mtp"} <= set(got.draft)
+    np.testing.assert_allclose(got.pred_speedup_node, got.pred_speedup, rtol=1e-12)
+    eight = nodecost.bracket(ex, rates, gpus=8)
+    row = eight[(eight.tp == "latency") & (eight.allreduce == "none") & (eight.B == 1)
+                & (eight.k == 3)].set_index("draft")
+    t_mtp = predict.drafter_at(mtp[mtp.B == 1], 3, "draft_ms")
+    shrink = 3 * beta * (float(predict.experts_touched(1)) - nodecost.max_rank_experts(1, 8))
+    assert row.draft_ms["mtp"] == pytest.approx(t_mtp - shrink)
+    assert row.draft_ms[""] == pytest.approx(predict.drafter_at(d[(d.draft == "")
+                                                                  & (d.B == 1)], 3, "draft_ms"))
+    assert nodecost.divided_ms(beta, 43, 2, method="mtp")[1] > \
+        nodecost.divided_ms(beta, 43, 2)[1] > 0  # the head is the bulk of an MTP forward

@@ -16,6 +16,7 @@ R(n) = T_1(n) - L beta E(n). On the node:
 
     T_G(n)          = R(n) - (1 - 1/G) V + L beta M_G(n) + (2 L + 1) t_ar(n hidden 2 B)
     T_draft,G(k, B) = T_draft(k, B) - (1 - 1/G) V_draft + 3 k t_ar(B hidden 2 B)
+                      (MTP: its k forwards' routed experts, k beta E(B), read as k beta M_G(B))
 
 M_G(n) is the expected largest number of distinct routed experts one rank reads when n tokens
 pick 6 of 256 evenly (the step waits for the slowest rank; `max_rank_experts`). V, the part of
@@ -23,14 +24,14 @@ the rest that TP divides, and t_ar, one collective, were not measured; the brack
 
 * `tp`: `latency` (V = 0: the rest is launches and latencies TP does not shorten), `weights`
   (V = the time to read the weights TP splits besides the routed experts: per layer the shared
-  expert, `wq_b`, `wo_a`, `wo_b`, per step the head; for the draft its sharded weights k
-  times; at the rate beta reads experts, `divided_ms`), `all` (V = R: TP divides the rest);
+  expert, `wq_b`, `wo_a`, `wo_b`, per step the head; for the drafter its sharded weights
+  (EAGLE-3: the draft's; MTP: its block's besides the routed experts, and the head) k times;
+  at the rate beta reads experts, `divided_ms`), `all` (V = R: TP divides the rest);
 * `allreduce`: `none` (free: the floor), `lo` and `hi`, two published small-message
   all-reduce curves at G GPUs (`AR_US`: G = 2, 4, 8).
 
 With G = 1 the model is `predict.predict`'s. Not covered: imbalance from a trained router,
-EPLB, DP attention and all-to-all (DP > 1), MTP at real shape, GPUs other than the one
-measured.
+EPLB, DP attention and all-to-all (DP > 1), GPUs other than the one measured.
 """
 
 from __future__ import annotations
@@ -134,26 +135,46 @@ def expert_bytes(dtype: str = "fp4", hidden: int = HIDDEN,
     return n + 3 * math.ceil(hidden / 128) * math.ceil(inter / 128) * 4
 
 
-def divided_ms(beta: float, layers: int, k: int = 0, dtype: str = "fp4") -> tuple[float, float]:
+def divided_ms(beta: float, layers: int, k: int = 0, dtype: str = "fp4",
+               method: str = "eagle3") -> tuple[float, float]:
     """(target, draft) ms a one-GPU step spends reading the weights TP splits besides the
-    routed experts (`memory.weight_bytes`' sharded part of DeepSeek-V4-Flash's layers and head,
-    and of the EAGLE3.1 draft for k forwards), at the rate `beta` reads one `dtype` expert."""
-    target, draft = _divided_bytes(layers, dtype)
+    routed experts (`speclab.memory`'s sharded part): DeepSeek-V4-Flash's layers and head,
+    and k forwards of the drafter (`eagle3`: the EAGLE3.1 draft; `mtp`: the MTP block's
+    shared expert and attention projections and the head), at the rate `beta` reads one
+    `dtype` expert."""
+    target, drafts = _divided_bytes(layers, dtype)
     per_ms = expert_bytes(dtype) / beta
-    return target / per_ms, k * draft / per_ms
+    return target / per_ms, k * drafts[method] / per_ms
 
 
 @functools.cache
-def _divided_bytes(layers: int, dtype: str) -> tuple[float, float]:
+def _divided_bytes(layers: int, dtype: str) -> tuple[float, dict[str, float]]:
     from speclab import memory
     from speclab.fixtures import realshape
 
+    routed = predict.MOE[0] * expert_bytes(dtype)
     layer = (memory.weight_bytes(realshape.realshape_config(5, dtype))[0]
-             - memory.weight_bytes(realshape.realshape_config(4, dtype))[0]
-             - predict.MOE[0] * expert_bytes(dtype))
+             - memory.weight_bytes(realshape.realshape_config(4, dtype))[0] - routed)
     cfg = realshape.realshape_config(layers, dtype)
     head = cfg["vocab_size"] * cfg["hidden_size"] * BF16
-    return layers * layer + head, memory.weight_bytes(realshape.draft_config(cfg))[0]
+    mtp = memory.mtp_weight_bytes(realshape.realshape_config(layers, dtype, mtp=True))[0]
+    return layers * layer + head, {"eagle3": memory.weight_bytes(realshape.draft_config(cfg))[0],
+                                   "mtp": mtp - routed}
+
+
+def node_draft(t_draft: float, k: int, B: int, beta: float, gpus: int, tp: str, corner: str,
+               method: str, layers: int, moe=predict.MOE, dtype: str = "fp4") -> float:
+    """T_draft,G in ms (module doc) from the one-GPU drafter time `t_draft` of k forwards at
+    batch B. An MTP forward is a MoE layer: its routed experts' part, beta E(B), becomes the
+    busiest rank's, beta M_G(B), as the target's does; the EAGLE-3 drafter has none."""
+    experts = k * beta * predict.experts_touched(B, *moe) if method == "mtp" else 0.0
+    rest = t_draft - experts
+    div = {"latency": 0.0, "all": rest,
+           "weights": min(rest, divided_ms(beta, layers, k, dtype, method)[1])}[tp]
+    node_experts = experts * max_rank_experts(B, gpus, *moe) / float(
+        predict.experts_touched(B, *moe)) if experts else 0.0
+    return (rest - (1 - 1 / gpus) * div + node_experts
+            + 3 * k * allreduce_us(B * HIDDEN * BF16, corner, gpus) / 1e3)
 
 
 def node_step(t1: float, n: float, layers: int, beta: float, gpus: int, tp: str,
@@ -173,19 +194,18 @@ AR_CORNERS = ("none", "lo", "hi")
 
 def bracket(ex: dict, rates, gpus: int = 8, ks=range(1, 6), moe=predict.MOE,
             dtype: str = "fp4") -> pd.DataFrame:
-    """Per (EAGLE-3 draft setting, B, k, tp, allreduce corner) on a TP `gpus` + EP node: T_G
-    at B and B(k + 1), the drafter, tok/s and speedup (module doc), from
+    """Per (draft setting, B, k, tp, allreduce corner) on a TP `gpus` + EP node: T_G at B and
+    B(k + 1), the drafter (`node_draft`), tok/s and speedup (module doc), from
     `predict.extrapolate`'s result `ex` (its plain curve, drafter times and fit); `best`
-    marks the best k per (draft, B, tp, allreduce). An MTP drafter is a MoE layer whose
-    experts EP divides too: not modelled here, its settings have no rows."""
+    marks the best k per (draft, B, tp, allreduce)."""
     layers = int(ex["plain"].layers.iloc[0])
     beta = expert_fit(ex["fit"], moe)["beta_ms"]
     curve = ex["plain"].set_index("B").step_ms.sort_index()
     drafts = ex["drafts"]
     rows = []
-    eagle = [d for d in sorted(drafts.draft.unique()) if predict.method_of(d) == "eagle3"]
     for draft, B, tp, corner in itertools.product(
-            eagle or [""], sorted(ex["prediction"].B.unique()), TP_CORNERS, AR_CORNERS):
+            sorted(drafts.draft.unique()) or [""], sorted(ex["prediction"].B.unique()),
+            TP_CORNERS, AR_CORNERS):
         t0 = node_step(predict.plain_at(curve, B, moe), B, layers, beta, gpus, tp, corner,
                        moe, dtype)
         d = drafts[(drafts.draft == draft) & (drafts.B == B)]
@@ -193,11 +213,8 @@ def bracket(ex: dict, rates, gpus: int = 8, ks=range(1, 6), moe=predict.MOE,
             n = B * (k + 1)
             verify = node_step(predict.plain_at(curve, n, moe), n, layers, beta, gpus, tp,
                                corner, moe, dtype)
-            t_draft = predict.drafter_at(d, k, "draft_ms")
-            div = {"latency": 0.0, "weights": min(t_draft, divided_ms(beta, layers, k, dtype)[1]),
-                   "all": t_draft}[tp]
-            draft_ms = (t_draft - (1 - 1 / gpus) * div
-                        + 3 * k * allreduce_us(B * HIDDEN * BF16, corner, gpus) / 1e3)
+            draft_ms = node_draft(predict.drafter_at(d, k, "draft_ms"), k, B, beta, gpus, tp,
+                                  corner, predict.method_of(draft), layers, moe, dtype)
             al = predict.acceptance_length(predict.rates_for(rates, draft), k)
             rows.append({"gpus": gpus, "draft": draft, "B": B, "k": k, "tp": tp,
                          "allreduce": corner, "al": al, "plain_ms": t0, "verify_ms": verify,

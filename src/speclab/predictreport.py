@@ -34,8 +34,8 @@ def report(run_dir: Path, rates=predict.PUBLISHED_EAGLE31,
     """`predict.md` and `predict.html` (+ `speedup_vs_k` figure) for a gpubench run folder:
     measured speedup vs k per batch size with CIs, predicted beside measured with the largest
     error, the best k, the `layers`-layer prediction at acceptance `rates` (MTP engines at
-    `mtp_rates`) with its fit, and (`gpus` > 1) what a TP `gpus` + EP node changes to it. Raises ValueError when the run has
-    no timed round or no all-reduce curve exists for `gpus`."""
+    `mtp_rates`) with its fit, and (`gpus` > 1) what a TP `gpus` + EP node changes to it.
+    Raises ValueError when the run has no timed round or no all-reduce curve for `gpus`."""
     import html
 
     import mistune
@@ -185,7 +185,8 @@ def _node_section(ex: dict, rates, gpus: int, dtypes: set[str], out_dir: Path) -
         f"## On a TP {gpus} + EP node: predicted from the one-GPU run, not measured", "",
         (f"vLLM 0.34.0 at TP {gpus}, DP 1, expert parallel: {MOE[0] // gpus} routed experts a "
          "rank, every token on every rank, two collectives a layer and the logits gather a "
-         "step; the draft at the same TP, three collectives a draft forward "
+         "step; the drafter at the same TP, three collectives a draft forward (an MTP forward "
+         "is a MoE layer: its experts are read as the target's are) "
          "(`speclab.nodecost`). The one-GPU step splits into the routed experts' part, "
          f"{layers} x beta x E(n), and the rest; on the node the experts' part becomes "
          f"{layers} x beta x M(n), M(n) the expected most experts one rank reads (the step "
@@ -197,8 +198,8 @@ def _node_section(ex: dict, rates, gpus: int, dtypes: set[str], out_dir: Path) -
         ("Not measured, so bracketed. `tp`, the part of the rest TP divides: `latency` "
          "(none: the rest is launches and latencies), `weights` (the time to read the weights "
          "TP splits besides the routed experts at beta's rate: "
-         f"{tp_ms[0]:.2f} ms a target step, the head included, and {tp_ms[1]:.2f} ms a draft "
-         "forward), `all`. `allreduce`, one collective: `none` (the floor), `lo` and `hi`, "
+         f"{tp_ms[0]:.2f} ms a target step, the head included, and {tp_ms[1]:.2f} ms an "
+         "EAGLE-3 draft forward), `all`. `allreduce`, one collective: `none` (the floor), `lo` and `hi`, "
          f"two published small-message all-reduce curves on {gpus} H100s over NVLink (SGLang PR "
          "#2904; lo: SGLang's kernel, hi: vLLM's custom all-reduce). Per (B, k): the lowest "
          "and highest speedup over the nine corners and the `weights` band with collectives "
@@ -209,5 +210,5 @@ def _node_section(ex: dict, rates, gpus: int, dtypes: set[str], out_dir: Path) -
         _md(corners, ["draft", "B", "k", "tp", "allreduce", "plain_ms", "verify_ms",
                       "draft_ms", "pred_tok_s", "pred_speedup", "best"]), "",
         ("Not covered: a trained router's imbalance (the fixture's router spreads tokens "
-         "evenly), EPLB, DP attention and its all-to-all (DP > 1), mega-MoE kernels, MTP at "
-         "real shape, and any GPU but the H200 (B200: other bandwidth and kernels)."), ""]
+         "evenly), EPLB, DP attention and its all-to-all (DP > 1), mega-MoE kernels, and any "
+         "GPU but the H200 (B200: other bandwidth and kernels)."), ""]

@@ -167,12 +167,11 @@ def node_draft(t_draft: float, k: int, B: int, beta: float, gpus: int, tp: str, 
     """T_draft,G in ms (module doc) from the one-GPU drafter time `t_draft` of k forwards at
     batch B. An MTP forward is a MoE layer: its routed experts' part, beta E(B), becomes the
     busiest rank's, beta M_G(B), as the target's does; the EAGLE-3 drafter has none."""
-    experts = k * beta * predict.experts_touched(B, *moe) if method == "mtp" else 0.0
-    rest = t_draft - experts
+    mtp = method == "mtp"
+    rest = t_draft - (k * beta * predict.experts_touched(B, *moe) if mtp else 0.0)
     div = {"latency": 0.0, "all": rest,
            "weights": min(rest, divided_ms(beta, layers, k, dtype, method)[1])}[tp]
-    node_experts = experts * max_rank_experts(B, gpus, *moe) / float(
-        predict.experts_touched(B, *moe)) if experts else 0.0
+    node_experts = k * beta * max_rank_experts(B, gpus, *moe) if mtp else 0.0
     return (rest - (1 - 1 / gpus) * div + node_experts
             + 3 * k * allreduce_us(B * HIDDEN * BF16, corner, gpus) / 1e3)
 

@@ -75,6 +75,10 @@ def test_mtp_engines_draft_with_the_targets_own_head(tmp_path, fake_pair, monkey
     assert args["speculative_config"] == {"method": "mtp", "num_speculative_tokens": 3}
     with pytest.raises(ValueError, match="method must be eagle3 or mtp"):
         G.Engine(4, 3, method="medusa")
+    plan = G.PLANS["timing-deep-mtp"]()  # 32 layers: about 110 GiB each, one engine at a time
+    assert [e.name for e in plan] == ["L32-k0-graphs", "L32-k1-graphs-mtp", "L32-k3-graphs-mtp"]
+    assert plan[0].extra_batches == (2, 4, 32, 64)  # plain at every verify size of k = 1, 3
+    assert [len(g) for g in G.pack_groups(plan, {32: 110.0}, G.CAPACITY * 139.8, 2.5)] == [1] * 3
     state = tmp_path / "state"
     assert G.drive(state, time.time() + 300, "smoke-mtp", 1, paths=fake_pair) == 0
     rows = [json.loads(x) for x in (state / "results.jsonl").read_text().splitlines()]

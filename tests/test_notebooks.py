@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from conftest import SMOKE
 
-from speclab import notebook, report
+from speclab import notebook, predictreport, report
 
 pytestmark = [pytest.mark.notebooks, pytest.mark.vllm]
 
@@ -86,6 +86,21 @@ def test_report_and_figures(smoke_suite):
                  "by_category", "parity"):
         assert {f"{stem}.png", f"{stem}.svg"} <= figs
     assert text.count("<img") >= 5
+
+
+def test_speed_notebook_reads_the_h200_run_into_the_report(smoke_suite):
+    """05_speed puts the committed H200 real-shape run's measured speedups, the cost model,
+    the 43-layer prediction and the TP 8 + EP bracket into the suite's report, with its
+    figures inline."""
+    root, html = smoke_suite
+    r = records(root, "05_speed")["speed"]
+    assert r["run"] == predictreport.REFERENCE_RUN
+    assert Path(r["report"]).parent == root / "runs" / "smoke" / "speed"
+    assert any(s.startswith("Predicted vs measured") for s in r["sections"])
+    assert any(s.startswith("43 layers") for s in r["sections"])
+    assert any(s.startswith("On a TP 8 + EP node") for s in r["sections"])
+    text = Path(html).read_text()
+    assert "05_speed" in text and "On a TP 8 + EP node" in text
 
 
 def test_rerender_from_results_runs_no_engine(smoke_suite):

@@ -9,8 +9,18 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from speclab import nodecost, predict
+from speclab import nodecost, paths, predict
 from speclab.predict import CONFIG, MOE
+
+REFERENCE_RUN = "h200-realshape-20261204-vllm026-graphs"
+"""The H200 run the README's "how much faster?" answer comes from (32 real-shape layers, the
+drafter in its CUDA graphs)."""
+
+
+def reference_run() -> Path | None:
+    """`REFERENCE_RUN` in this checkout's data/runs (None in an installation without it)."""
+    run = paths.CHECKOUT / "data" / "runs" / REFERENCE_RUN if paths.CHECKOUT else None
+    return run if run is not None and run.is_dir() else None
 
 
 def _md(df: pd.DataFrame, cols: list[str]) -> str:

@@ -22,7 +22,7 @@ from speclab import (convention, memory, paths, preflight, profiles, progress, p
 from speclab.notebook import MIME
 
 NOTEBOOK_DIR = paths.RESOURCES / "notebooks"
-SUITE = ("00_overlay", "01_sweep", "02_acceptance", "03_parity", "04_explorer")
+SUITE = ("00_overlay", "01_sweep", "02_acceptance", "03_parity", "04_explorer", "05_speed")
 log = logging.getLogger(__name__)
 class NotebookFailed(RuntimeError):
     """A notebook of the suite raised; the report was still written and says where."""

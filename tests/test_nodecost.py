@@ -193,3 +193,12 @@ def test_an_mtp_drafter_is_carried_like_a_moe_layer():
                                                                   & (d.B == 1)], 3, "draft_ms"))
     assert nodecost.divided_ms(beta, 43, 2, method="mtp")[1] > \
         nodecost.divided_ms(beta, 43, 2)[1] > 0  # the head is the bulk of an MTP forward
+
+
+def test_predict_refuses_bad_acceptance_before_reading_the_run(tmp_path, capsys):
+    from speclab import cli
+
+    for args in (["--acceptance", "0.6,0.7"], ["--acceptance-mtp", "0.8,x"]):
+        assert cli.main(["predict", str(tmp_path / "no-such-run"), *args]) == 1
+        err = capsys.readouterr().err
+        assert args[0] in err and "non-increasing" in err and "no-such-run" not in err

@@ -235,11 +235,19 @@ def cmd_aux_report(a) -> int:
 
 
 def cmd_predict(a) -> int:
-    from speclab import predictreport
+    from speclab import predict, predictreport
 
-    rates = [float(x) for x in a.acceptance.split(",")]
-    mtp_rates = [float(x) for x in a.acceptance_mtp.split(",")]
+    def profile(flag: str, text: str) -> list[float]:
+        try:
+            values = [float(x) for x in text.split(",")]
+            return predict.acceptance_profile(values, len(values))
+        except ValueError as e:
+            raise ValueError(f"{flag} {text!r}: per-position acceptance is comma-separated "
+                             f"non-increasing values in [0, 1] ({e})") from None
+
     try:
+        rates = profile("--acceptance", a.acceptance)
+        mtp_rates = profile("--acceptance-mtp", a.acceptance_mtp)
         path = predictreport.report(Path(a.run_dir), rates, a.layers,
                                     Path(a.out) if a.out else None, a.gpus, mtp_rates)
     except (FileNotFoundError, ValueError) as e:

@@ -291,3 +291,20 @@ def test_speed_cis_of_the_timing_rounds_reach_the_summary_and_the_findings(tmp_p
         f"{k1.speedup:.2f} [{k1.speedup_lo:.2f}, {k1.speedup_hi:.2f}]x"
     text = " ".join(summary.findings(t.reset_index()))
     assert "over 3 timing rounds" in text and "one timed pass" not in text
+
+
+def test_a_speed_run_without_results_is_refused_before_any_notebook(tmp_path):
+    """`-p speed_run=DIR` names a gpubench run for 05_speed: a folder without one stops the
+    suite before the sweep spends minutes (the control: the committed H200 run passes the
+    check; the production profile then stops at the machine check, not at it)."""
+    from speclab import predictreport, profiles
+
+    with pytest.raises(profiles.ProfileError, match="speed_run .*no gpubench run"):
+        report.run_suite("tiny-cpu", run_id="x", parameters={"speed_run": str(tmp_path)},
+                         runs_root=tmp_path / "runs", figures_root=tmp_path / "figures")
+    assert not (tmp_path / "runs").exists()
+    ok = predictreport.reference_run()
+    with pytest.raises(profiles.ProfileError) as e:  # no checkpoints here: the machine check
+        report.run_suite("v4flash-8xh200", run_id="x", parameters={"speed_run": str(ok)},
+                         runs_root=tmp_path / "runs", figures_root=tmp_path / "figures")
+    assert "speed_run" not in str(e.value)

@@ -79,6 +79,8 @@ def test_mtp_engines_draft_with_the_targets_own_head(tmp_path, fake_pair, monkey
     assert [e.name for e in plan] == ["L32-k0-graphs", "L32-k1-graphs-mtp", "L32-k3-graphs-mtp"]
     assert plan[0].extra_batches == (2, 4, 32, 64)  # plain at every verify size of k = 1, 3
     assert [len(g) for g in G.pack_groups(plan, {32: 110.0}, G.CAPACITY * 139.8, 2.5)] == [1] * 3
+    b4 = G.PLANS["timing-deep-b4"]()
+    assert b4[0].extra_batches == (8, 12, 16, 20, 24) and b4[1].k == 4
     state = tmp_path / "state"
     assert G.drive(state, time.time() + 300, "smoke-mtp", 1, paths=fake_pair) == 0
     rows = [json.loads(x) for x in (state / "results.jsonl").read_text().splitlines()]

@@ -264,6 +264,10 @@ PLANS = {**{f"timing-{v}": (lambda v=v: timing_plan(v)) for v in DRAFT_VARIANTS}
             for k in range(1, 6)},
          "timing-deep-rest": deep_rest_plan, "jit-cold": jit_cold_plan,
          "timing-deep-mtp": mtp_plan,
+         # the B = 4 loss of 2026-12-05: plain at every verify size of B = 4, k = 4 in full
+         "timing-deep-b4": lambda: [Engine(32, 0, batches=(4,),
+                                           extra_batches=verify_batches((4,), range(1, 6))),
+                                    Engine(32, 4, batches=(1, 4, 16))],
          # the MTP load path and its counters at 4 layers, minutes not a session
          "smoke-mtp": lambda: [Engine(4, 0, batches=(1,)),
                                Engine(4, 3, batches=(1,), method="mtp")],

@@ -251,6 +251,15 @@ def _spec_bytes(specs) -> tuple[float, float]:
     return sharded, kept
 
 
+def routed_expert_bytes(cfg: dict) -> float:
+    """One routed expert's weights (w1, w2, w3) of a DeepSeek-V4 config, as `weight_bytes`
+    counts them."""
+    from speclab.fixtures.dsv4_target import tensor_specs
+
+    one = {**cfg, "num_hidden_layers": 1, "compress_ratios": cfg["compress_ratios"][:1]}
+    return sum(_spec_bytes([s for s in tensor_specs(one) if ".ffn.experts.0." in s.name]))
+
+
 def mtp_weight_bytes(cfg: dict) -> tuple[float, float]:
     """(bytes sharded over TP, bytes every rank keeps) of a DeepSeek-V4 checkpoint's MTP
     layers (`mtp.{i}`, vLLM 0.26 `models/deepseek_v4/nvidia/mtp.py`): each one decoder block

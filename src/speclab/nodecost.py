@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-import math
 
 import numpy as np
 import pandas as pd
@@ -46,7 +45,6 @@ import pandas as pd
 from speclab import predict
 
 HIDDEN = 4096  # DeepSeek-V4-Flash's hidden_size
-MOE_INTERMEDIATE = 2048
 BF16 = 2
 HBM_TB_S = 4.8  # the H200's HBM3e (NVIDIA's datasheet), where every real-shape run ran
 # One all-reduce on 2, 4 and 8 H100s over NVLink, CUDA graphs off: SGLang PR #2904's table
@@ -125,14 +123,14 @@ def expert_fit(fit: pd.DataFrame, moe=predict.MOE) -> dict:
             "max_resid_ms": float(np.abs(resid).max()), "batch_sizes": f.n.tolist()}
 
 
-def expert_bytes(dtype: str = "fp4", hidden: int = HIDDEN,
-                 inter: int = MOE_INTERMEDIATE) -> float:
-    """One routed expert's weights (w1, w2, w3) as stored: MXFP4 0.5 B a weight + one e8m0
-    scale per 32, or block-FP8 1 B a weight + a float32 scale per 128 x 128 block."""
-    n = 3 * hidden * inter
-    if dtype == "fp4":
-        return n / 2 + n / 32
-    return n + 3 * math.ceil(hidden / 128) * math.ceil(inter / 128) * 4
+@functools.cache
+def expert_bytes(dtype: str = "fp4") -> float:
+    """One routed expert of DeepSeek-V4-Flash with `dtype` experts (`memory.routed_expert_bytes`:
+    MXFP4 0.5 B a weight + an e8m0 scale per 32, or block-FP8 with its scales)."""
+    from speclab import memory
+    from speclab.fixtures import realshape
+
+    return memory.routed_expert_bytes(realshape.realshape_config(1, dtype))
 
 
 def divided_ms(beta: float, layers: int, k: int = 0, dtype: str = "fp4",

@@ -369,8 +369,8 @@ def extrapolate(costs: pd.DataFrame, drafts: pd.DataFrame, rates, layers: int =
 
 def memory_check(run_dir: Path) -> pd.DataFrame:
     """Per engine of a gpubench run: `speclab.memory`'s weight estimate (target, plus the
-    draft, or the MTP module, for k > 0) at the engine's max_num_batched_tokens beside vLLM's "Model loading
-    took ... GiB", and the error."""
+    draft, or the MTP module, for k > 0) at the engine's max_num_batched_tokens beside
+    vLLM's "Model loading took ... GiB", and the error."""
     import re
 
     from speclab import memory

@@ -158,11 +158,10 @@ def report(run_dir: Path, rates=predict.PUBLISHED_EAGLE31,
 
 def _expert_dtypes(run_dir: Path) -> set[str]:
     """The routed experts' dtypes the run's engines loaded (`engines.jsonl`)."""
-    import json
+    from speclab import store
 
-    return {json.loads(line).get("expert_dtype", "fp4")
-            for path in Path(run_dir).rglob("engines.jsonl")
-            for line in path.read_text().splitlines() if line.strip()}
+    return {e.get("expert_dtype", "fp4") for path in Path(run_dir).rglob("engines.jsonl")
+            for e in store.read_jsonl(path)}
 
 
 def _node_section(ex: dict, rates, gpus: int, dtypes: set[str], out_dir: Path) -> list[str]:

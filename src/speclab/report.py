@@ -46,8 +46,7 @@ def run_suite(profile: str, *, run_id: str | None = None, notebooks=SUITE,
 
     prof = profiles.load(profile, (parameters or {}).get("overrides"))
     speed_run = (parameters or {}).get("speed_run")
-    if speed_run and not (Path(speed_run) / "results.jsonl").exists() and not any(
-            Path(speed_run).rglob("results.jsonl")):
+    if speed_run and not any(Path(speed_run).rglob("results.jsonl")):
         raise profiles.ProfileError(f"speed_run {speed_run}: no gpubench run there (no "
                                     "results.jsonl); 05_speed reads one")
     executes = (parameters or {}).get("execute", True)

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from speclab import cudagraphs, steptiming, store, vllm_plugins
 from speclab import gpubench as G
-from speclab import steptiming, store, vllm_plugins
 from speclab.fixtures import repeat_loader
 
 FAKES = Path(__file__).parent / "fakes"
@@ -80,7 +80,8 @@ def test_mtp_engines_draft_with_the_targets_own_head(tmp_path, fake_pair, monkey
     assert plan[0].extra_batches == (2, 4, 32, 64)  # plain at every verify size of k = 1, 3
     assert [len(g) for g in G.pack_groups(plan, {32: 110.0}, G.CAPACITY * 139.8, 2.5)] == [1] * 3
     b4 = G.PLANS["timing-deep-b4"]()
-    assert b4[0].extra_batches == (8, 12, 16, 20, 24) and b4[1].k == 4
+    # B = 4's verify steps at k = 1..5 run 8, 18 (12 tokens padded), 16, 20, 24 rows
+    assert b4[0].extra_batches == (8, 16, 18, 20, 24) and b4[1].k == 4
     state = tmp_path / "state"
     assert G.drive(state, time.time() + 300, "smoke-mtp", 1, paths=fake_pair) == 0
     rows = [json.loads(x) for x in (state / "results.jsonl").read_text().splitlines()]
@@ -162,10 +163,10 @@ def test_groups_pack_by_memory_and_layer_count():
         ["L4-k0-graphs", *(f"L4-k{k}-graphs-drafteager" for k in range(1, 6))],
         ["L8-k0-graphs", "L8-k1-graphs-drafteager", "L8-k3-graphs-drafteager"],
         ["L4-k0-eager", "L4-k3-eager-drafteager", "L4-k3-graphs"]]
-    assert G.verify_batches((1, 4), (1, 3)) == (2, 8, 16)
-    # the plain engines time every verify step of k = 1..5 at B = 1, 4, 16
+    assert G.verify_batches((1, 4), (1, 2, 3)) == (2, 3, 8, 16, 18)
+    # the plain engines time the rows of every verify step of k = 1..5 at B = 1, 4, 16
     assert set(plan[0].extra_batches) | set(plan[0].batches) >= {
-        b * (k + 1) for b in (1, 4, 16) for k in range(6)}
+        cudagraphs.graph_rows(b, k + 1) for b in (1, 4, 16) for k in range(6)}
 
 
 def test_timing_variants_set_the_draft_and_keep_plain_alike():
@@ -206,6 +207,12 @@ def test_engine_args_capture_every_verify_step():
     e = G.Engine(4, 5, batches=(1, 16))
     args = G.engine_args(e, "t", "d", G.KV_BYTES, 0.2)
     assert args["compilation_config"]["max_cudagraph_capture_size"] == 96
+    # a plain engine captures every size it runs beside vLLM's (18 is none of vLLM's), and
+    # only the list: vLLM 0.26 refuses a list and a maximum that disagree
+    plain = G.Engine(32, 0, batches=(4,), extra_batches=(16, 18, 24))
+    assert G.engine_args(plain, "t", None, G.KV_BYTES, 0.2)["compilation_config"] == {
+        "cudagraph_capture_sizes": [1, 2, 4, 8, 16, 18, 24]}
+    assert G.Engine(32, 0, batches=(1, 16)).capture_sizes is None  # vLLM's own
     assert args["speculative_config"]["num_speculative_tokens"] == 5
     assert "compilation_config" not in G.engine_args(G.Engine(4, 0, eager=True), "t", None,
                                                      G.KV_BYTES, 0.2)

@@ -6,7 +6,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from speclab import predict, predictreport
+from speclab import cudagraphs, predict, predictreport
 
 N = 128
 
@@ -19,25 +19,33 @@ def t_draft(k, B):
     return 0.25 + 0.15 * k + 0.01 * B * k
 
 
+def graph(B, k):
+    """Rows of the verify step's CUDA graph (`cudagraphs.graph_rows`: B = 4 at k = 2, 12
+    tokens, runs the 18-row graph)."""
+    return cudagraphs.graph_rows(B, k + 1)
+
+
 def rows(layers=(4,), rounds=5, rates=(0.7, 0.5, 0.35, 0.25, 0.18), seed=0, n=N):
     """Passes as gpubench writes them (prefill 10 ms, `n` tokens a request), 1% noise on
-    decode times."""
+    decode times; the plain engine captures every size it runs (`Engine.capture_sizes`), a
+    verify step costs the plain step of its graph's rows."""
     g = np.random.default_rng(seed)
     out = []
     for L in layers:
-        plain_B = sorted({b * (k + 1) for b in (1, 4, 16) for k in range(6)})
+        plain_B = sorted({graph(b, k) for b in (1, 4, 16) for k in range(6)})
+        sizes = sorted({*cudagraphs.token_sizes(max(plain_B)), *plain_B})
         for r in range(rounds + 1):
             for B in plain_B:
                 dec = (n - 1) * t_plain(B, L) / 1e3 * g.normal(1, 0.01)
                 out.append({"engine": f"L{L}-k0", "op": "pass", "layers": L, "k": 0, "eager": False,
                                 "round": r, "B": B, "t_prefill_s": 0.01, "t_full_s": 0.01 + dec,
-                                "output_tokens": B * n,
+                                "output_tokens": B * n, "capture_sizes": sizes,
                                 "counters": {"num_drafts": 0}})
             for k in range(1, 6):
                 for B in (1, 4, 16):
                     al = 1 + sum(rates[:k])
                     steps = (n - 1) / al
-                    step = t_plain(B * (k + 1), L) + t_draft(k, B)
+                    step = t_plain(graph(B, k), L) + t_draft(k, B)
                     dec = steps * step / 1e3 * g.normal(1, 0.01)
                     acc = [round(B * steps * p) for p in rates[:k]]
                     out.append({"engine": f"L{L}-k{k}", "op": "pass", "layers": L, "k": k,
@@ -82,6 +90,18 @@ def test_validate_recovers_measurement_and_controls_fail():
     meas16 = m[(m.k == 3) & (m.B == 16)].speedup.iloc[0]
     wrong = (1 + 0.7 + 0.5 + 0.35) * t_plain(16) / (t_plain(16) + t_draft(3, 16))
     assert wrong / meas16 - 1 > 0.05
+
+
+def test_verify_rows_are_the_cuda_graphs(monkeypatch):
+    """A verify step of 4 requests at k = 2 runs the 18-row graph: the model prices it so
+    (within 3%); priced at its 12 tokens (the control) it misses by over 5%."""
+    res = rows()
+    v = predict.validate(res).set_index(["k", "B"])
+    assert v.loc[(2, 4), "rows"] == 18 and abs(v.loc[(2, 4), "error"]) < 0.03
+    monkeypatch.setattr(cudagraphs, "graph_rows", lambda r, q=1, sizes=None, gpu="": r * q)
+    unpadded = predict.validate(res).set_index(["k", "B"])
+    assert unpadded.loc[(2, 4), "error"] > 0.05
+    assert abs(unpadded.loc[(3, 4), "error"]) < 0.03  # 16 rows: a graph of its own
 
 
 def with_host_drafter(res, host_ms, waited):

@@ -37,6 +37,8 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from speclab import cudagraphs
+
 PROMPT_LEN = 256
 MAX_TOKENS = 128
 MAX_BATCHED = 4096  # max_num_batched_tokens of every engine
@@ -104,10 +106,22 @@ class Engine:
     def max_num_seqs(self) -> int:
         return max((*self.batches, *self.extra_batches))
 
+    @property
+    def capture_sizes(self) -> list[int] | None:
+        """A plain engine's CUDA-graph sizes when it runs extra batch sizes: vLLM's default
+        ones and every batch size it runs, so each step runs its own rows, unpadded (a
+        verify step's rows, `verify_batches`, are not all default sizes); None: vLLM's."""
+        if self.k or self.eager or not self.extra_batches:
+            return None
+        return sorted({*cudagraphs.token_sizes(self.max_num_seqs), *self.batches,
+                       *self.extra_batches})
+
 
 def verify_batches(batches, ks) -> tuple[int, ...]:
-    """Plain batch sizes with as many tokens as the verify steps B x (k + 1) of `ks`."""
-    out = {b * (k + 1) for b in batches for k in ks}
+    """Plain batch sizes with as many rows as the verify steps of `ks` at `batches` run: the
+    rows of their CUDA graph (`cudagraphs.graph_rows`; at k = 2, B = 4 the 18-row graph),
+    which the plain engine captures (`Engine.capture_sizes`)."""
+    out = {cudagraphs.graph_rows(b, k + 1) for b in batches for k in ks}
     return tuple(sorted(out - set(batches)))
 
 
@@ -315,7 +329,9 @@ def engine_args(eng: Engine, target: str, draft: str | None, kv_bytes: int,
                 "max_num_batched_tokens": MAX_BATCHED, "enable_prefix_caching": False,
                 "disable_log_stats": False, "seed": 0, "gpu_memory_utilization": gpu_fraction,
                 "kv_cache_memory_bytes": kv_bytes}
-    if not eng.eager:
+    if eng.capture_sizes:
+        args["compilation_config"] = {"cudagraph_capture_sizes": eng.capture_sizes}
+    elif not eng.eager:
         # graphs for every verify step of the plan (B x (k + 1) tokens)
         args["compilation_config"] = {"max_cudagraph_capture_size":
                                       max(8, eng.max_num_seqs * (eng.k + 1))}

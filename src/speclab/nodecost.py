@@ -192,12 +192,14 @@ AR_CORNERS = ("none", "lo", "hi")
 def bracket(ex: dict, rates, gpus: int = 8, ks=range(1, 6), moe=predict.MOE,
             dtype: str = "fp4") -> pd.DataFrame:
     """Per (draft setting, B, k, tp, allreduce corner) on a TP `gpus` + EP node: T_G at B and
-    B(k + 1), the drafter (`node_draft`), tok/s and speedup (module doc), from
+    at the verify step's rows (`predict.step_rows`: its CUDA graph's), the drafter (`node_draft`), tok/s and speedup (module doc), from
     `predict.extrapolate`'s result `ex` (its plain curve, drafter times and fit); `best`
     marks the best k per (draft, B, tp, allreduce)."""
     layers = int(ex["plain"].layers.iloc[0])
     beta = expert_fit(ex["fit"], moe)["beta_ms"]
     curve = ex["plain"].set_index("B").step_ms.sort_index()
+    eager = bool(ex["plain"].eager.iloc[0])
+    by_rows = predict.rows_curve(ex["plain"], layers, eager)
     drafts = ex["drafts"]
     rows = []
     for draft, B, tp, corner in itertools.product(
@@ -207,8 +209,8 @@ def bracket(ex: dict, rates, gpus: int = 8, ks=range(1, 6), moe=predict.MOE,
                        moe, dtype)
         d = drafts[(drafts.draft == draft) & (drafts.B == B)]
         for k in ks:
-            n = B * (k + 1)
-            verify = node_step(predict.plain_at(curve, n, moe), n, layers, beta, gpus, tp,
+            n = predict.step_rows(B, k, eager)
+            verify = node_step(predict.plain_at(by_rows, n, moe), n, layers, beta, gpus, tp,
                                corner, moe, dtype)
             draft_ms = node_draft(predict.drafter_at(d, k, "draft_ms"), k, B, beta, gpus, tp,
                                   corner, predict.method_of(draft), layers, moe, dtype)

@@ -6,14 +6,17 @@ the full pass minus its prefill-only twin, a plain step is that over `max_tokens
 a speculative step that over the verify rounds per request (`num_drafts / B`). The model,
 with nothing fitted to the speculative points it predicts:
 
-    T_spec(k, B) = T_plain(B (k + 1)) + T_draft(k, B)
+    T_spec(k, B) = T_rows(G_{k+1}(B)) + T_draft(k, B)
     tok/s(k, B)  = B * AL(k) / T_spec(k, B)          AL(k) = 1 + sum_j p_j (j <= k)
     speedup      = AL(k) * T_plain(B) / T_spec(k, B)
 
-T_plain(n) is the plain engine's step at batch n (the verify forward of B requests with k + 1
-tokens each runs B (k + 1) rows through the same kernels), linear between the measured batch
-sizes in E(n), the routed experts n tokens read per MoE layer (`plain_at`: an MoE step's
-cost follows the experts it reads, which grow concavely in n), T_draft the drafter's GPU time per step measured with CUDA events
+T_rows(n) is the plain engine's step that ran n rows (the verify forward of B requests with
+k + 1 tokens each runs its rows through the same kernels), linear between the measured ones
+in E(n), the routed experts n tokens read per MoE layer (`plain_at`: an MoE step's cost
+follows the experts it reads, which grow concavely in n). G_q(B) is the rows the step of B
+requests with q tokens each runs: under CUDA graphs the captured graph it is padded to
+(`speclab.cudagraphs`: at k = 2 on Hopper, 4 requests run the 18-row graph), eager B q; a
+plain step at B ran G_1(B) rows of its own engine's graphs (`rows_curve`). T_draft the drafter's GPU time per step measured with CUDA events
 (`speclab.steptiming`), and p_j the unconditional acceptance at position j (a run's counters
 or a draft card's published rates). `validate` puts every measured speculative point beside
 its prediction; `extrapolate` fits T_plain(n, L) = a(n) + b(n) L over the measured layer
@@ -29,7 +32,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from speclab import analysis
+from speclab import analysis, cudagraphs
 
 # DeepSeek-V4-Flash EAGLE3.1 at k = 3 (SGLang, 8xH20; the draft card's own numbers are
 # k = 3 too): unconditional per-position acceptance
@@ -71,13 +74,20 @@ def rates_for(rates, draft: str):
 
 # --------------------------------------------------------------------------- measurements
 def load(run_dir: Path) -> pd.DataFrame:
-    """Every pass of a gpubench run (all calls: `results.jsonl` in the folder or below it)."""
+    """Every pass of a gpubench run (all calls: `results.jsonl` in the folder or below it),
+    with its engine's CUDA-graph capture sizes as resolved (`engines.jsonl`; column
+    `capture_sizes`, None where not recorded)."""
     from speclab.store import read_jsonl
 
     rows = [r for path in sorted(Path(run_dir).rglob("results.jsonl")) for r in read_jsonl(path)]
     if not rows:
         raise FileNotFoundError(f"no results.jsonl under {run_dir}")
-    return pd.DataFrame(rows)
+    sizes = {e["engine"]: e["resolved"].get("cudagraph_capture_sizes") or None
+             for path in sorted(Path(run_dir).rglob("engines.jsonl"))
+             for e in read_jsonl(path) if "engine" in e and "resolved" in e}
+    df = pd.DataFrame(rows)
+    df["capture_sizes"] = df.engine.map(lambda e: sizes.get(e))
+    return df
 
 
 CONFIG = ["layers", "eager", "draft"]
@@ -112,6 +122,8 @@ def passes(results: pd.DataFrame, max_tokens: int = 128) -> pd.DataFrame:
     # (`gpubench drive --tokens`), else `max_tokens`
     after = (df.output_tokens / df.B if "output_tokens" in df else
              pd.Series(max_tokens, index=df.index)).fillna(max_tokens) - 1
+    sizes = df.capture_sizes if "capture_sizes" in df else pd.Series(None, index=df.index)
+    df["rows"] = [step_rows(b, k, e, z) for b, k, e, z in zip(df.B, df.k, df.eager, sizes)]
     df["steps"] = np.where(df.k > 0, drafts / df.B, after)
     df["step_ms"] = 1e3 * df.decode_s / df.steps
     df["tok_s"] = df.B * after / df.decode_s
@@ -129,7 +141,8 @@ def step_costs(results: pd.DataFrame, max_tokens: int = 128) -> pd.DataFrame:
     for key, g in df.groupby(keys):
         step = analysis.mean_ci(g.step_ms)
         tput = analysis.mean_ci(g.tok_s)
-        rows.append({**dict(zip(keys, key)), "step_ms": step[0], "step_lo": step[1],
+        rows.append({**dict(zip(keys, key)), "rows": int(g.rows.iloc[0]),
+                     "step_ms": step[0], "step_lo": step[1],
                      "step_hi": step[2], "tok_s": tput[0], "tok_s_lo": tput[1],
                      "tok_s_hi": tput[2], "al": g.al.mean(), "rounds": len(g)})
     out = pd.DataFrame(rows)
@@ -203,6 +216,32 @@ def step_anatomy(results: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def verify_by_rows(results: pd.DataFrame) -> pd.DataFrame:
+    """The target's verify forward (`execute` GPU ms, median) per scheduled token count of
+    the split passes, each with the rows its CUDA graph ran (`step_rows`) and the plain
+    step at those rows (`rows_curve`, `plain_at`): a split pass's last steps run with fewer
+    requests as they finish, so one pass covers every request count below its B."""
+    costs = step_costs(results)
+    rows = []
+    for _, r in _splits(results).iterrows():
+        if not r.k:
+            continue
+        sizes = r.get("capture_sizes")
+        for c in r["calls"]:
+            if c.get("op") == "execute" and c.get("reqs") and c["tokens"] == c["reqs"] * (r.k + 1):
+                rows.append({"layers": r.layers, "eager": r.eager,
+                             "draft": draft_setting(r.engine, r.k), "k": r.k,
+                             "tokens": c["tokens"],
+                             "rows": step_rows(c["reqs"], r.k, r.eager, sizes), "ms": c["ms"]})
+    if not rows:
+        return pd.DataFrame()
+    out = (pd.DataFrame(rows).groupby([*CONFIG, "k", "tokens", "rows"]).ms
+           .agg(execute_ms="median", calls="size").reset_index())
+    out["plain_rows_ms"] = [plain_at(rows_curve(costs, r.layers, r.eager), r.rows)
+                            for r in out.itertuples()]
+    return out
+
+
 # --------------------------------------------------------------------------- the model
 def serve_costs(results: pd.DataFrame, max_tokens: int = 128) -> pd.DataFrame:
     """`step_costs` of the passes behind `vllm serve` (gpubench `serve` engines: B requests
@@ -218,6 +257,24 @@ def plain_curve(costs: pd.DataFrame, layers: int, eager: bool) -> pd.Series:
     """Plain step ms by batch size n for one engine configuration, sorted."""
     c = costs[(costs.layers == layers) & (costs.eager == eager) & (costs.k == 0)]
     return c.set_index("B").step_ms.sort_index()
+
+
+def step_rows(B: int, k: int, eager: bool, sizes=None, gpu: str = "hopper") -> int:
+    """Rows a decode step of B requests at k (plain: 0) runs: B (k + 1) eager, else
+    G_{k+1}(B) from the engine's capture sizes `sizes` (None: vLLM's default;
+    `cudagraphs.graph_rows` on `gpu`)."""
+    if eager:
+        return int(B) * (k + 1)
+    return cudagraphs.graph_rows(int(B), k + 1, sizes if isinstance(sizes, list) else None, gpu)
+
+
+def rows_curve(costs: pd.DataFrame, layers: int, eager: bool) -> pd.Series:
+    """Plain step ms by the rows the step ran (`step_costs`' `rows`; where a table has
+    none, `step_rows` at vLLM's default sizes), the mean where several batch sizes replay
+    one graph, sorted."""
+    c = costs[(costs.layers == layers) & (costs.eager == eager) & (costs.k == 0)]
+    rows = c.rows if "rows" in c else c.B.map(lambda b: step_rows(b, 0, eager))
+    return c.step_ms.groupby(rows.to_numpy()).mean().sort_index()
 
 
 def experts_touched(n, experts: int = MOE[0], top_k: int = MOE[1]):
@@ -256,25 +313,27 @@ def drafter_at(d: pd.DataFrame, k: int, col: str) -> float:
 
 
 def predict(costs: pd.DataFrame, drafts: pd.DataFrame, rates, ks=range(1, 6),
-            batches=None, moe=MOE) -> pd.DataFrame:
+            batches=None, moe=MOE, gpu: str = "hopper") -> pd.DataFrame:
     """Predicted step, tok/s and speedup per (layers, eager, draft, k, B) from the plain
-    curve (`plain_at` with `moe`) and the drafter times of each draft setting (module doc),
-    for the acceptance profile `rates` (or {method: rates}, `rates_for`); best k per B is the
-    row with `best` True."""
+    curve (`plain_at` with `moe`, by rows: `rows_curve`, `step_rows` on `gpu`) and the
+    drafter times of each draft setting (module doc), for the acceptance profile `rates` (or
+    {method: rates}, `rates_for`); best k per B is the row with `best` True."""
     rows = []
     for (layers, eager), _ in costs.groupby(["layers", "eager"]):
         curve = plain_curve(costs, layers, eager)
+        by_rows = rows_curve(costs, layers, eager)
         d = drafts[(drafts.layers == layers) & (drafts.eager == eager)]
         for draft in sorted(d.draft.unique()) or [""]:
             dd = d[d.draft == draft]
             for B in batches or sorted(costs[(costs.layers == layers) & (costs.k > 0)].B.unique()):
                 t0 = plain_at(curve, B, moe)
                 for k in ks:
-                    verify = plain_at(curve, B * (k + 1), moe)
+                    n = step_rows(B, k, eager, gpu=gpu)
+                    verify = plain_at(by_rows, n, moe)
                     step = verify + drafter_at(dd[dd.B == B], k, "draft_ms")
                     al = acceptance_length(rates_for(rates, draft), k)
                     rows.append({"layers": layers, "eager": eager, "draft": draft, "k": k,
-                                 "B": B, "al": al, "verify_ms": verify,
+                                 "B": B, "al": al, "verify_rows": n, "verify_ms": verify,
                                  "draft_ms": step - verify, "pred_step_ms": step,
                                  "draft_host_ms": drafter_at(dd[dd.B == B], k, "draft_host_ms"),
                                  "pred_tok_s": 1e3 * B * al / step,
@@ -354,6 +413,7 @@ def extrapolate(costs: pd.DataFrame, drafts: pd.DataFrame, rates, layers: int =
         fit.append({"n": int(n), "a_ms": a, "b_ms_per_layer": b, "resolved": resolved})
         if resolved:
             synth.append({"layers": layers, "eager": eager, "k": 0, "B": int(n),
+                          "rows": int(hi.rows) if "rows" in g else step_rows(n, 0, eager),
                           "step_ms": a + b * layers})
     if not synth:
         raise ValueError(f"the plain step does not grow beyond its 95% interval from "

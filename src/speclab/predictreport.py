@@ -81,7 +81,9 @@ def report(run_dir: Path, rates=predict.PUBLISHED_EAGLE31,
     if len(val):
         worst = val.error.abs().max()
         lines += ["## Predicted vs measured", "",
-                  ("Prediction from the plain step at B(k+1) rows, the drafter's measured time "
+                  ("Prediction from the plain step at the rows the verify step's CUDA graph "
+                   "runs (`speclab.cudagraphs`: B(k+1) tokens padded to a captured size), the "
+                   "drafter's measured time "
                   f"and the point's measured acceptance; largest |error| {worst:.1%} "
                   f"({val.error_linear.abs().max():.1%} with the plain step linear in n, "
                   "`error_linear`)."), "",
@@ -97,6 +99,15 @@ def report(run_dir: Path, rates=predict.PUBLISHED_EAGLE31,
                       _md(val[val.draft_host_ms.notna()],
                           [*CONFIG, "B", "k", "draft_ms", "draft_host_ms", "speedup",
                            "pred_serial_speedup", "pred_speedup", "bracketed"]), ""]
+    by_rows = predict.verify_by_rows(res)
+    if len(by_rows):
+        lines += ["## Verify steps by CUDA-graph rows", "",
+                  ("The target's forward in the split passes (GPU ms, median) per scheduled "
+                   "tokens, with the rows of the graph it replayed and the plain step at those "
+                   "rows: a verify step costs what its graph's rows cost, not its tokens "
+                   "(vLLM rounds the capture sizes up to multiples of k + 1)."), "",
+                  _md(by_rows, [*CONFIG, "k", "tokens", "rows", "execute_ms",
+                                "plain_rows_ms", "calls"]), ""]
     served = predict.serve_costs(res)
     if len(served):
         lines += ["## Behind `vllm serve`", "",

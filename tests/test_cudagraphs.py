@@ -1,0 +1,71 @@
+"""Which CUDA graph a decode step replays, against what vLLM 0.26.0 captured on the H200."""
+
+import json
+import re
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from speclab import cudagraphs
+
+RUN = Path(__file__).parents[1] / "data/runs/h200-realshape-20261205-vllm026-deeprest"
+
+
+def captured_decode_graphs() -> dict[str, int]:
+    """Per engine of the committed run: how many FULL decode graphs its log says it captured
+    ("Capturing CUDA graphs (decode, FULL): ... n/N")."""
+    out = {}
+    with tarfile.open(RUN / "logs.tar.gz") as tar:
+        for m in tar.getmembers():
+            name = Path(m.name).stem
+            if m.isfile() and name.startswith("L"):
+                text = tar.extractfile(m).read().decode(errors="replace")
+                counts = re.findall(r"Capturing CUDA graphs \(decode, FULL\).*?\d+/(\d+)", text)
+                out[name] = int(counts[-1])
+    return out
+
+
+def test_graphs_are_the_ones_vllm_captured():
+    """The rows `decode_graphs` derives from each engine's resolved sizes are as many as the
+    engine's log says it captured; the sizes as resolved (the control: no rounding to k + 1)
+    are not, for every speculative engine."""
+    seen = captured_decode_graphs()
+    engines = [json.loads(x) for x in (RUN / "engines.jsonl").read_text().splitlines()]
+    ready = {e["engine"]: e for e in engines if e.get("op") == "ready"}
+    assert set(seen) == set(ready) == {"L32-k0-graphs", "L32-k2-graphs", "L32-k4-graphs"}
+    for name, e in ready.items():
+        sizes = e["resolved"]["cudagraph_capture_sizes"]
+        assert len(cudagraphs.decode_graphs(e["k"] + 1, sizes)) == seen[name]
+        assert (len(sizes) == seen[name]) == (e["k"] == 0)
+    assert cudagraphs.decode_graphs(3, ready["L32-k2-graphs"]["resolved"][
+        "cudagraph_capture_sizes"]) == [3, 6, 9, 18, 24, 33, 42, 48]
+
+
+def test_graph_rows_pad_to_the_smallest_graph():
+    assert [cudagraphs.graph_rows(b, 3) for b in (1, 2, 3, 4, 5, 8)] == [3, 6, 9, 18, 18, 24]
+    assert [cudagraphs.graph_rows(b) for b in (1, 3, 5, 12, 17, 300)] == [1, 4, 8, 16, 24, 304]
+    assert cudagraphs.graph_rows(20, 3, sizes=[1, 2, 4, 8, 16, 24, 32, 40, 48]) == 60  # none
+    assert cudagraphs.graph_rows(4, 3, gpu="blackwell") == 12  # every request count to 6
+    assert len(cudagraphs.token_sizes(512)) == 51
+    # vLLM 0.34.0's docstring of decode_cudagraph_capture_grid: "64 sizes at 1024"
+    grid = cudagraphs.request_grid(1024)
+    assert len(grid) == 64 and grid[:8] == [1, 2, 3, 4, 5, 6, 8, 10] and grid[-1] == 1024
+    with pytest.raises(ValueError, match="gpu must be one of"):
+        cudagraphs.graph_rows(4, 3, gpu="ampere")
+    with pytest.raises(ValueError, match="requests must be positive"):
+        cudagraphs.graph_rows(0)
+
+
+def test_verify_forward_costs_its_graphs_rows():
+    """On the H200 (committed run), every verify forward of k = 2 costs the plain step at its
+    graph's rows within 5%; priced at its tokens (the control), the 12-token step is 20%
+    cheaper than measured."""
+    from speclab import predict
+
+    res = predict.load(RUN)
+    v = predict.verify_by_rows(res).dropna(subset=["plain_rows_ms"]).set_index("tokens")
+    assert v.loc[12, "rows"] == v.loc[15, "rows"] == 18 and v.loc[9, "rows"] == 9
+    assert ((v.execute_ms / v.plain_rows_ms - 1).abs() < 0.05).all() and len(v) >= 10
+    curve = predict.rows_curve(predict.step_costs(res), 32, False)
+    assert predict.plain_at(curve, 12) < 0.8 * v.loc[12, "execute_ms"]

@@ -140,7 +140,7 @@ def report(run_dir: Path, rates=predict.PUBLISHED_EAGLE31,
                   + (f"; the next section says what a TP {gpus} + EP node changes." if gpus > 1
                      else ".")), "",
                   _md(ex["fit"], ["n", "a_ms", "b_ms_per_layer", "resolved"]), "",
-                  _md(ex["prediction"], ["draft", "B", "k", "al", "verify_ms", "draft_ms",
+                  _md(ex["prediction"], ["draft", "B", "k", "al", "verify_rows", "verify_ms", "draft_ms",
                                          "pred_step_ms", "pred_tok_s", "pred_speedup", "best"]),
                   ""]
         if gpus > 1:

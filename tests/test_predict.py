@@ -104,6 +104,26 @@ def test_verify_rows_are_the_cuda_graphs(monkeypatch):
     assert abs(unpadded.loc[(3, 4), "error"]) < 0.03  # 16 rows: a graph of its own
 
 
+def test_idle_is_the_step_the_gpu_does_not_run():
+    """`idle_ms`: a timed step of 10 ms whose split pass ran 7 ms of target forward and
+    2.5 ms of sampling on the GPU leaves it idle 0.5 ms; a pass 3 ms longer (the control)
+    shows 3 ms more."""
+    def frame(extra_s):
+        split = {"engine": "L4-k2-graphs", "op": "split", "layers": 4, "k": 2, "eager": False,
+                 "round": 0, "B": 4, "counters": {},
+                 "calls": [{"op": "execute", "tokens": 12, "reqs": 4, "ms": 7.0},
+                           {"op": "sample", "tokens": 12, "reqs": 4, "ms": 2.5}] * 5}
+        passes = [{"engine": "L4-k2-graphs", "op": "pass", "layers": 4, "k": 2, "eager": False,
+                   "round": r, "B": 4, "t_prefill_s": 0.01,
+                   "t_full_s": 0.01 + 50 * (0.010 + extra_s / 50), "output_tokens": 4 * 101,
+                   "counters": {"num_drafts": 200, "accepted_per_pos": [100, 50]}}
+                  for r in (1, 2, 3)]
+        return pd.DataFrame([split, *passes])
+
+    assert predict.step_anatomy(frame(0)).idle_ms.iloc[0] == pytest.approx(0.5)
+    assert predict.step_anatomy(frame(0.150)).idle_ms.iloc[0] == pytest.approx(3.5)
+
+
 def with_host_drafter(res, host_ms, waited):
     """`res` with the drafter's host time `host_ms` recorded in the split passes and the
     fraction `waited` of its excess over GPU time added to each speculative step."""
@@ -186,6 +206,7 @@ def test_step_anatomy_and_drafter_host_time_from_timed_calls():
         == [2.0, 4.0, 6.0, 2.5]
     assert a.loc[3, "propose_host_ms"] == 6.0 and a.loc[3, "draft"] == "drafteager"
     assert a.loc[0, "execute_host_ms"] == 3.0 and np.isnan(a.loc[0, "propose_ms"])
+    assert a.idle_ms.isna().all()  # no timed pass: no step to compare with
     d = predict.draft_ms(split).iloc[0]
     assert (d.draft_ms, d.draft_host_ms, d.draft_calls) == (2.5, 6.0, 9)
     resumed = pd.concat([split, split.iloc[1:]], ignore_index=True)  # carried state, twice

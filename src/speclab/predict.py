@@ -198,11 +198,12 @@ def draft_ms(results: pd.DataFrame) -> pd.DataFrame:
                                        "draft_calls"])
 
 
-def step_anatomy(results: pd.DataFrame) -> pd.DataFrame:
+def step_anatomy(results: pd.DataFrame, max_tokens: int = 128) -> pd.DataFrame:
     """Per split pass: median GPU and host ms per decode step of the target's forward
     (`execute`), of sampling (`sample`, which holds the drafter) and of the drafter
     (`propose`), from `speclab.steptiming`'s records (runs that recorded only the drafter
-    have no rows here)."""
+    have no rows here); with the timed passes' step (`step_costs`), `idle_ms`: the step
+    less the GPU's execute and sample, the time a step the GPU waits for the host."""
     rows = []
     for _, r in _splits(results).iterrows():
         row = {"layers": r.layers, "eager": r.eager, "draft": draft_setting(r.engine, r.k),
@@ -213,7 +214,16 @@ def step_anatomy(results: pd.DataFrame) -> pd.DataFrame:
                                                      _median(calls, "host_ms"))
         if not np.isnan(row["execute_ms"]):
             rows.append(row)
-    return pd.DataFrame(rows)
+    out = pd.DataFrame(rows)
+    if out.empty:
+        return out
+    timed = (results.op == "pass") & (results["round"] >= 1)
+    costs = step_costs(results, max_tokens) if timed.any() else pd.DataFrame()
+    keys = [*CONFIG, "k", "B"]
+    out = out.merge(costs[[*keys, "step_ms"]], on=keys, how="left") if len(costs) else \
+        out.assign(step_ms=np.nan)
+    out["idle_ms"] = out.step_ms - out.execute_ms - out.sample_ms
+    return out
 
 
 def verify_by_rows(results: pd.DataFrame) -> pd.DataFrame:

@@ -120,13 +120,15 @@ def report(run_dir: Path, rates=predict.PUBLISHED_EAGLE31,
     anatomy = predict.step_anatomy(res)
     if len(anatomy):
         cols = [*CONFIG, "k", "B", *(f"{op}_{t}" for op in ("execute", "sample", "propose")
-                                     for t in ("ms", "host_ms"))]
+                                     for t in ("ms", "host_ms")), "step_ms", "idle_ms"]
         lines += ["## Step anatomy (split passes)", "",
                   ("Median per decode step, GPU time (CUDA events around the call) and host "
                    "time (wall time of the call) of the target's forward (`execute`), of "
                    "sampling (`sample`, which runs the drafter) and of the drafter "
                    "(`propose`), from `speclab.steptiming`. A host time above its GPU time is "
-                   "a part the GPU waits for."), "",
+                   "a part the GPU waits for; `idle_ms`, the timed passes' step less the "
+                   "GPU's execute and sample, is what a step spends with the GPU waiting "
+                   "(the cost model's GPU-only prediction leaves it out)."), "",
                   _md(anatomy.sort_values([*CONFIG, "B", "k"]), cols), ""]
     try:
         by_method = {"eagle3": list(rates), "mtp": list(mtp_rates)}

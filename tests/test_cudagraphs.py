@@ -69,3 +69,26 @@ def test_verify_forward_costs_its_graphs_rows():
     assert ((v.execute_ms / v.plain_rows_ms - 1).abs() < 0.05).all() and len(v) >= 10
     curve = predict.rows_curve(predict.step_costs(res), 32, False)
     assert predict.plain_at(curve, 12) < 0.8 * v.loc[12, "execute_ms"]
+
+
+def test_padding_share_per_batch_and_k():
+    hop = {(r["B"], r["k"]): r for r in cudagraphs.padding((4, 5, 7), (1, 2, 3))}
+    assert hop[4, 2]["rows"] == 18 and hop[4, 2]["padding"] == pytest.approx(1 / 3)
+    assert hop[4, 1]["padding"] == hop[4, 3]["padding"] == 0
+    assert hop[5, 1]["rows"] == 16 and hop[5, 1]["padding"] == pytest.approx(6 / 16)
+    sm100 = {(r["B"], r["k"]): r["padding"] for r in cudagraphs.padding((4, 7), (2,), "blackwell")}
+    assert sm100 == {(4, 2): 0, (7, 2): pytest.approx(1 / 8)}  # grid 1..6, 8, 10, ...
+
+
+def test_the_report_shows_graph_rows_and_padding(tmp_path):
+    """predict.md of the committed run: the verify forwards by graph rows (12 tokens on the
+    18-row graph), the padding table (B = 4: a third at k = 2 on Hopper, none on SM100) and
+    the GPU's idle time a step."""
+    from speclab import predictreport
+
+    md = predictreport.report(RUN, out_dir=tmp_path).read_text()
+    rows = md[md.index("## Verify steps by CUDA-graph rows"):md.index("## Padding of")]
+    assert "32 | False |  | 2 | 12 | 18 |" in rows
+    pad = md[md.index("## Padding of"):md.index("## Step anatomy")]
+    assert "\n4 | 0 | 33 | 0 | 0 | 0 | 0 | 0 | 0 | 0 | 0\n" in pad
+    assert "idle_ms" in md[md.index("## Step anatomy"):]

@@ -61,3 +61,11 @@ def graph_rows(requests: int, q: int = 1, sizes=None, gpu: str = "hopper") -> in
         raise ValueError(f"requests must be positive, not {requests}")
     n = requests * q
     return min((g for g in decode_graphs(q, sizes, gpu) if g >= n), default=n)
+
+
+def padding(batches, ks, gpu: str = "hopper") -> list[dict]:
+    """Per batch size and k: the verify step's tokens B (k + 1), the rows of its graph at
+    vLLM's default sizes (`graph_rows`) and the share of those rows that are padding."""
+    return [{"gpu": gpu, "B": B, "k": k, "tokens": B * (k + 1),
+             "rows": (r := graph_rows(B, k + 1, gpu=gpu)), "padding": 1 - B * (k + 1) / r}
+            for B in batches for k in ks]

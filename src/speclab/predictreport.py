@@ -9,8 +9,10 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from speclab import nodecost, paths, predict
+from speclab import cudagraphs, nodecost, paths, predict
 from speclab.predict import CONFIG, MOE
+
+PADDING_BATCHES = (*range(1, 9), 10, 12, 16, 20, 24, 32, 48, 64)  # the padding table's rows
 
 REFERENCE_RUN = "h200-realshape-20261204-vllm026-graphs"
 """The H200 run the README's "how much faster?" answer comes from (32 real-shape layers, the
@@ -108,6 +110,21 @@ def report(run_dir: Path, rates=predict.PUBLISHED_EAGLE31,
                    "(vLLM rounds the capture sizes up to multiples of k + 1)."), "",
                   _md(by_rows, [*CONFIG, "k", "tokens", "rows", "execute_ms",
                                 "plain_rows_ms", "calls"]), ""]
+    if len(spec):
+        batches = sorted({*(int(b) for b in spec.B.unique()), *PADDING_BATCHES})
+        pad = pd.DataFrame([*cudagraphs.padding(batches, range(1, 6)),
+                            *cudagraphs.padding(batches, range(1, 6), "blackwell")])
+        pad["padding"] = (100 * pad.padding).round().astype(int)
+        pad["col"] = [f"{g}_k{k}" for g, k in zip(pad.gpu, pad.k)]
+        table = pad.pivot_table(index="B", columns="col", values="padding").reset_index()
+        cols = [f"{g}_k{k}" for g in cudagraphs.GPUS for k in range(1, 6)]
+        lines += ["## Padding of the verify step at vLLM's default graphs", "",
+                  ("Percent of the verify step's rows that are padding, per batch size B and k, "
+                   "at vLLM's default CUDA-graph sizes (`speclab.cudagraphs`): `hopper` as "
+                   "0.26.0 and 0.34.0 capture on H100/H200, `blackwell` as 0.34.0 does on "
+                   "SM100. A padded row costs what a real one does; plain decoding pads too (B = 5 runs 8 "
+                   "rows), inside its measured step."), "",
+                  _md(table, ["B", *cols]), ""]
     served = predict.serve_costs(res)
     if len(served):
         lines += ["## Behind `vllm serve`", "",

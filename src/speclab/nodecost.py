@@ -192,9 +192,10 @@ AR_CORNERS = ("none", "lo", "hi")
 def bracket(ex: dict, rates, gpus: int = 8, ks=range(1, 6), moe=predict.MOE,
             dtype: str = "fp4") -> pd.DataFrame:
     """Per (draft setting, B, k, tp, allreduce corner) on a TP `gpus` + EP node: T_G at B and
-    at the verify step's rows (`predict.step_rows`: its CUDA graph's), the drafter (`node_draft`), tok/s and speedup (module doc), from
-    `predict.extrapolate`'s result `ex` (its plain curve, drafter times and fit); `best`
-    marks the best k per (draft, B, tp, allreduce)."""
+    at the verify step's rows (`predict.step_rows`: its CUDA graph's), the drafter
+    (`node_draft`), tok/s and speedup (module doc), from `predict.extrapolate`'s result `ex`
+    (its plain curve, drafter times and fit); `best` marks the best k per (draft, B, tp,
+    allreduce)."""
     layers = int(ex["plain"].layers.iloc[0])
     beta = expert_fit(ex["fit"], moe)["beta_ms"]
     curve = ex["plain"].set_index("B").step_ms.sort_index()

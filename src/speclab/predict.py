@@ -16,11 +16,12 @@ in E(n), the routed experts n tokens read per MoE layer (`plain_at`: an MoE step
 follows the experts it reads, which grow concavely in n). G_q(B) is the rows the step of B
 requests with q tokens each runs: under CUDA graphs the captured graph it is padded to
 (`speclab.cudagraphs`: at k = 2 on Hopper, 4 requests run the 18-row graph), eager B q; a
-plain step at B ran G_1(B) rows of its own engine's graphs (`rows_curve`). T_draft the drafter's GPU time per step measured with CUDA events
-(`speclab.steptiming`), and p_j the unconditional acceptance at position j (a run's counters
-or a draft card's published rates). `validate` puts every measured speculative point beside
-its prediction; `extrapolate` fits T_plain(n, L) = a(n) + b(n) L over the measured layer
-counts and predicts at the production depth.
+plain step at B ran G_1(B) rows of its own engine's graphs (`rows_curve`). T_draft is the
+drafter's GPU time per step measured with CUDA events (`speclab.steptiming`), and p_j the
+unconditional acceptance at position j (a run's counters or a draft card's published rates).
+`validate` puts every measured speculative point beside its prediction; `extrapolate` fits
+T_plain(n, L) = a(n) + b(n) L over the measured layer counts and predicts at the production
+depth.
 """
 
 from __future__ import annotations

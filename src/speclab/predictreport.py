@@ -122,8 +122,8 @@ def report(run_dir: Path, rates=predict.PUBLISHED_EAGLE31,
                   ("Percent of the verify step's rows that are padding, per batch size B and k, "
                    "at vLLM's default CUDA-graph sizes (`speclab.cudagraphs`): `hopper` as "
                    "0.26.0 and 0.34.0 capture on H100/H200, `blackwell` as 0.34.0 does on "
-                   "SM100. A padded row costs what a real one does; plain decoding pads too (B = 5 runs 8 "
-                   "rows), inside its measured step."), "",
+                   "SM100. A padded row costs what a real one does; plain decoding pads "
+                   "too (B = 5 runs 8 rows), inside its measured step."), "",
                   _md(table, ["B", *cols]), ""]
     served = predict.serve_costs(res)
     if len(served):
@@ -159,8 +159,9 @@ def report(run_dir: Path, rates=predict.PUBLISHED_EAGLE31,
                   + (f"; the next section says what a TP {gpus} + EP node changes." if gpus > 1
                      else ".")), "",
                   _md(ex["fit"], ["n", "a_ms", "b_ms_per_layer", "resolved"]), "",
-                  _md(ex["prediction"], ["draft", "B", "k", "al", "verify_rows", "verify_ms", "draft_ms",
-                                         "pred_step_ms", "pred_tok_s", "pred_speedup", "best"]),
+                  _md(ex["prediction"], ["draft", "B", "k", "al", "verify_rows", "verify_ms",
+                                         "draft_ms", "pred_step_ms", "pred_tok_s",
+                                         "pred_speedup", "best"]),
                   ""]
         if gpus > 1:
             lines += _node_section(ex, by_method, gpus, _expert_dtypes(run_dir), out_dir)

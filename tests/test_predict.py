@@ -332,11 +332,18 @@ def test_an_moe_step_is_read_between_batch_sizes_by_the_experts_it_reads():
     assert predict.experts_touched(1) == pytest.approx(6) and predict.experts_touched(10**4) == pytest.approx(256)
 
 
-def test_the_drafter_is_read_between_measured_k():
+def test_the_drafter_is_read_between_measured_k_and_extended_past_them():
+    """Between measured k: linear; past them: the line through the two nearest (exact for a
+    drafter linear in k), or one measured k scaled by k / k0, flagged `drafter_scaled`."""
     d = pd.DataFrame({"k": [1, 3, 5], "draft_ms": [t_draft(k, 1) for k in (1, 3, 5)]})
     assert predict.drafter_at(d, 4, "draft_ms") == pytest.approx(t_draft(4, 1))
-    assert np.isnan(predict.drafter_at(d, 6, "draft_ms"))
+    assert predict.drafter_at(d, 6, "draft_ms") == pytest.approx(t_draft(6, 1))
+    assert not predict.drafter_scaled(d, 4) and predict.drafter_scaled(d, 6)
+    one = d[d.k == 3]
+    assert predict.drafter_at(one, 4, "draft_ms") == pytest.approx(t_draft(3, 1) * 4 / 3)
+    assert predict.drafter_at(one, 3, "draft_ms") == t_draft(3, 1)
     assert np.isnan(predict.drafter_at(d.iloc[:0], 1, "draft_ms"))
+    assert not predict.drafter_scaled(d.iloc[:0], 1)
 
 
 def test_the_committed_drafter_graphs_run_is_exact_and_predicted_within_five_percent():

@@ -85,12 +85,14 @@ def report(run_dir: Path, rates=predict.PUBLISHED_EAGLE31,
         lines += ["## Predicted vs measured", "",
                   ("Prediction from the plain step at the rows the verify step's CUDA graph "
                    "runs (`speclab.cudagraphs`: B(k+1) tokens padded to a captured size), the "
-                   "drafter's measured time "
+                   "drafter's measured time (`drafter_scaled`: carried from other k, "
+                   "`predict.drafter_at`) "
                   f"and the point's measured acceptance; largest |error| {worst:.1%} "
                   f"({val.error_linear.abs().max():.1%} with the plain step linear in n, "
                   "`error_linear`)."), "",
                   _md(val, [*CONFIG, "B", "k", "step_ms", "pred_step_ms", "verify_ms",
-                            "draft_ms", "speedup", "pred_speedup", "error", "error_linear"]),
+                            "draft_ms", "drafter_scaled", "speedup", "pred_speedup", "error",
+                            "error_linear"]),
                   "", (f"T_plain(n) is linear in E(n) = {MOE[0]}(1 - (1 - {MOE[1]}/{MOE[0]})^n), "
                        "the routed experts n tokens read per MoE layer, between the measured "
                        "plain batch sizes (`predict.plain_at`)."), ""]
@@ -160,8 +162,8 @@ def report(run_dir: Path, rates=predict.PUBLISHED_EAGLE31,
                      else ".")), "",
                   _md(ex["fit"], ["n", "a_ms", "b_ms_per_layer", "resolved"]), "",
                   _md(ex["prediction"], ["draft", "B", "k", "al", "verify_rows", "verify_ms",
-                                         "draft_ms", "pred_step_ms", "pred_tok_s",
-                                         "pred_speedup", "best"]),
+                                         "draft_ms", "drafter_scaled", "pred_step_ms",
+                                         "pred_tok_s", "pred_speedup", "best"]),
                   ""]
         if gpus > 1:
             lines += _node_section(ex, by_method, gpus, _expert_dtypes(run_dir), out_dir)

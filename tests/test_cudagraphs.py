@@ -68,7 +68,8 @@ def test_verify_forward_costs_its_graphs_rows():
     assert v.loc[12, "rows"] == v.loc[15, "rows"] == 18 and v.loc[9, "rows"] == 9
     assert ((v.execute_ms / v.plain_rows_ms - 1).abs() < 0.05).all() and len(v) >= 10
     curve = predict.rows_curve(predict.step_costs(res), 32, False)
-    assert predict.plain_at(curve, 12) < 0.8 * v.loc[12, "execute_ms"]
+    assert predict.plain_at(curve, 12) == v.loc[12, "plain_tokens_ms"]
+    assert v.loc[12, "plain_tokens_ms"] < 0.8 * v.loc[12, "execute_ms"]
 
 
 def test_padding_share_per_batch_and_k():
@@ -92,3 +93,5 @@ def test_the_report_shows_graph_rows_and_padding(tmp_path):
     pad = md[md.index("## Padding of"):md.index("## Step anatomy")]
     assert "\n4 | 0 | 33 | 0 | 0 | 0 | 0 | 0 | 0 | 0 | 0\n" in pad
     assert "idle_ms" in md[md.index("## Step anatomy"):]
+    assert (tmp_path / "figures" / "verify_rows.png").exists()
+    assert "figures/verify_rows.png" in (tmp_path / "predict.html").read_text()

@@ -403,6 +403,35 @@ def speedup_vs_k(measured: pd.DataFrame, predicted: pd.DataFrame | None = None) 
     return fig
 
 
+def verify_rows(by_rows: pd.DataFrame, curves: dict) -> plt.Figure | None:
+    """The target's verify forward (GPU ms) vs the tokens it scheduled, one panel per
+    (layers, mode, draft setting), from `predict.verify_by_rows`: measured (filled, one
+    marker per k), the plain step at its CUDA graph's rows (hollow) and the plain step at
+    n rows, unpadded (`curves[(layers, eager)]`: plain ms by rows n; dashed)."""
+    d = by_rows.dropna(subset=["plain_rows_ms"]) if len(by_rows) else by_rows
+    if d.empty:
+        return _no_results("verify steps by rows", "no split pass with a plain engine beside it")
+    panels = list(d.groupby(["layers", "eager", "draft"]))
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 3.8), squeeze=False)
+    for ax, ((layers, eager, draft), g) in zip(axes[0], panels):
+        curve = curves[(layers, eager)]
+        ax.plot(curve.index, curve.to_numpy(float), ls="--", color="grey", lw=1,
+                label="plain step at n rows")
+        for i, (k, gk) in enumerate(g.groupby("k")):
+            color, marker = f"C{i}", MARKERS[i % len(MARKERS)]
+            ax.plot(gk.tokens, gk.execute_ms, ls="", marker=marker, color=color,
+                    label=f"k={k} verify forward")
+            ax.plot(gk.tokens, gk.plain_rows_ms, ls="", marker=marker, mfc="none",
+                    color=color, ms=9, label=f"k={k} plain at its graph's rows")
+        ax.set(title=f"{layers} layers, {'eager' if eager else 'CUDA graphs'}"
+               + (f", draft {draft}" if draft else ""), xlabel="tokens scheduled (B (k + 1))",
+               ylabel="GPU ms a step")
+        ax.legend(fontsize=7)
+    _footer(fig, "medians of each split pass's steps at that token count; the plain line is "
+                 "read between the plain engine's measured steps (`predict.plain_at`)")
+    return fig
+
+
 def node_bracket(summary: pd.DataFrame, gpus: int, layers: int) -> plt.Figure | None:
     """Predicted speedup vs k on a TP `gpus` + EP node, one panel per batch size: the one-GPU
     prediction (line), the whole bracket (light band) and its `weights` band (dark band),

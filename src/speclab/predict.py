@@ -229,9 +229,10 @@ def step_anatomy(results: pd.DataFrame, max_tokens: int = 128) -> pd.DataFrame:
 
 def verify_by_rows(results: pd.DataFrame) -> pd.DataFrame:
     """The target's verify forward (`execute` GPU ms, median) per scheduled token count of
-    the split passes, each with the rows its CUDA graph ran (`step_rows`) and the plain
-    step at those rows (`rows_curve`, `plain_at`): a split pass's last steps run with fewer
-    requests as they finish, so one pass covers every request count below its B."""
+    the split passes, each with the rows its CUDA graph ran (`step_rows`), the plain step at
+    those rows and, the control, at its tokens (`rows_curve`, `plain_at`): a split pass's
+    last steps run with fewer requests as they finish, so one pass covers every request
+    count below its B."""
     costs = step_costs(results)
     rows = []
     for _, r in _splits(results).iterrows():
@@ -248,8 +249,10 @@ def verify_by_rows(results: pd.DataFrame) -> pd.DataFrame:
         return pd.DataFrame()
     out = (pd.DataFrame(rows).groupby([*CONFIG, "k", "tokens", "rows"]).ms
            .agg(execute_ms="median", calls="size").reset_index())
-    out["plain_rows_ms"] = [plain_at(rows_curve(costs, r.layers, r.eager), r.rows)
-                            for r in out.itertuples()]
+    curves = {key: rows_curve(costs, *key) for key in zip(out.layers, out.eager)}
+    out["plain_rows_ms"] = [plain_at(curves[r.layers, r.eager], r.rows) for r in out.itertuples()]
+    out["plain_tokens_ms"] = [plain_at(curves[r.layers, r.eager], r.tokens)
+                              for r in out.itertuples()]
     return out
 
 

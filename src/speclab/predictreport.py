@@ -109,9 +109,19 @@ def report(run_dir: Path, rates=predict.PUBLISHED_EAGLE31,
                   ("The target's forward in the split passes (GPU ms, median) per scheduled "
                    "tokens, with the rows of the graph it replayed and the plain step at those "
                    "rows: a verify step costs what its graph's rows cost, not its tokens "
-                   "(vLLM rounds the capture sizes up to multiples of k + 1)."), "",
+                   "(vLLM rounds the capture sizes up to multiples of k + 1); "
+                   "`plain_tokens_ms`, the plain step at its tokens, is the model without "
+                   "padding."), "",
                   _md(by_rows, [*CONFIG, "k", "tokens", "rows", "execute_ms",
-                                "plain_rows_ms", "calls"]), ""]
+                                "plain_rows_ms", "plain_tokens_ms", "calls"]), "",
+                  "![verify steps by rows](figures/verify_rows.png)", ""]
+        curves = {}
+        for key in set(zip(by_rows.layers, by_rows.eager)):
+            c = predict.rows_curve(costs, *key)
+            n = range(int(c.index.min()), int(c.index.max()) + 1) if len(c) else []
+            curves[key] = pd.Series([predict.plain_at(c, x) for x in n], index=list(n))
+        plots.save(plots.verify_rows(by_rows, curves), out_dir / "figures", "verify_rows",
+                   caption=f"{run_dir.name}: verify forward vs the rows of its CUDA graph")
     if len(spec):
         batches = sorted({*(int(b) for b in spec.B.unique()), *PADDING_BATCHES})
         pad = pd.DataFrame([*cudagraphs.padding(batches, range(1, 6)),

@@ -46,7 +46,12 @@ def test_graph_rows_pad_to_the_smallest_graph():
     assert [cudagraphs.graph_rows(b, 3) for b in (1, 2, 3, 4, 5, 8)] == [3, 6, 9, 18, 18, 24]
     assert [cudagraphs.graph_rows(b) for b in (1, 3, 5, 12, 17, 300)] == [1, 4, 8, 16, 24, 304]
     assert cudagraphs.graph_rows(20, 3, sizes=[1, 2, 4, 8, 16, 24, 32, 40, 48]) == 60  # none
-    assert cudagraphs.graph_rows(4, 3, gpu="blackwell") == 12  # every request count to 6
+    # 0.34.0 with its defaults: on Hopper q times 1, 2, 4, 8, ... requests are graphs too,
+    # on SM100 every request count up to 6; with sizes set (gpubench) the 0.26 graphs
+    assert [cudagraphs.graph_rows(b, 3, vllm="0.34") for b in (4, 5, 8)] == [12, 18, 24]
+    assert cudagraphs.graph_rows(5, 3, gpu="blackwell", vllm="0.34") == 15
+    assert cudagraphs.graph_rows(4, 3, sizes=[1, 2, 4, 8, 16, 24], vllm="0.34") == 18
+    assert cudagraphs.graph_rows(4, 3, gpu="blackwell") == 18  # 0.26 rounds on any GPU
     assert len(cudagraphs.token_sizes(512)) == 51
     # vLLM 0.34.0's docstring of decode_cudagraph_capture_grid: "64 sizes at 1024"
     grid = cudagraphs.request_grid(1024)
@@ -55,6 +60,8 @@ def test_graph_rows_pad_to_the_smallest_graph():
         cudagraphs.graph_rows(4, 3, gpu="ampere")
     with pytest.raises(ValueError, match="requests must be positive"):
         cudagraphs.graph_rows(0)
+    with pytest.raises(ValueError, match="the releases read"):
+        cudagraphs.graph_rows(4, 3, vllm="0.30")
 
 
 def test_verify_forward_costs_its_graphs_rows():
@@ -77,13 +84,14 @@ def test_padding_share_per_batch_and_k():
     assert hop[4, 2]["rows"] == 18 and hop[4, 2]["padding"] == pytest.approx(1 / 3)
     assert hop[4, 1]["padding"] == hop[4, 3]["padding"] == 0
     assert hop[5, 1]["rows"] == 16 and hop[5, 1]["padding"] == pytest.approx(6 / 16)
-    sm100 = {(r["B"], r["k"]): r["padding"] for r in cudagraphs.padding((4, 7), (2,), "blackwell")}
+    sm100 = {(r["B"], r["k"]): r["padding"]
+             for r in cudagraphs.padding((4, 7), (2,), "blackwell", "0.34")}
     assert sm100 == {(4, 2): 0, (7, 2): pytest.approx(1 / 8)}  # grid 1..6, 8, 10, ...
 
 
 def test_the_report_shows_graph_rows_and_padding(tmp_path):
     """predict.md of the committed run: the verify forwards by graph rows (12 tokens on the
-    18-row graph), the padding table (B = 4: a third at k = 2 on Hopper, none on SM100) and
+    18-row graph), the padding table (B = 4: a third at k = 2 on 0.26, none on 0.34) and
     the GPU's idle time a step."""
     from speclab import predictreport
 
@@ -91,7 +99,7 @@ def test_the_report_shows_graph_rows_and_padding(tmp_path):
     rows = md[md.index("## Verify steps by CUDA-graph rows"):md.index("## Padding of")]
     assert "32 | False |  | 2 | 12 | 18 |" in rows
     pad = md[md.index("## Padding of"):md.index("## Step anatomy")]
-    assert "\n4 | 0 | 33 | 0 | 0 | 0 | 0 | 0 | 0 | 0 | 0\n" in pad
+    assert "\n4 | 0 | 33 | 0 | 0 | 0 | 0 | 0 | 0 | 0 | 0 | 0 | 0 | 0 | 0 | 0\n" in pad
     assert "idle_ms" in md[md.index("## Step anatomy"):]
     assert (tmp_path / "figures" / "verify_rows.png").exists()
     assert "figures/verify_rows.png" in (tmp_path / "predict.html").read_text()

@@ -210,7 +210,7 @@ def bracket(ex: dict, rates, gpus: int = 8, ks=range(1, 6), moe=predict.MOE,
                        moe, dtype)
         d = drafts[(drafts.draft == draft) & (drafts.B == B)]
         for k in ks:
-            n = predict.step_rows(B, k, eager)
+            n = predict.step_rows(B, k, eager, vllm="0.34")  # the release it describes
             verify = node_step(predict.plain_at(by_rows, n, moe), n, layers, beta, gpus, tp,
                                corner, moe, dtype)
             draft_ms = node_draft(predict.drafter_at(d, k, "draft_ms"), k, B, beta, gpus, tp,

@@ -273,13 +273,15 @@ def plain_curve(costs: pd.DataFrame, layers: int, eager: bool) -> pd.Series:
     return c.set_index("B").step_ms.sort_index()
 
 
-def step_rows(B: int, k: int, eager: bool, sizes=None, gpu: str = "hopper") -> int:
+def step_rows(B: int, k: int, eager: bool, sizes=None, gpu: str = "hopper",
+              vllm: str = "0.26") -> int:
     """Rows a decode step of B requests at k (plain: 0) runs: B (k + 1) eager, else
     G_{k+1}(B) from the engine's capture sizes `sizes` (None: vLLM's default;
-    `cudagraphs.graph_rows` on `gpu`)."""
+    `cudagraphs.graph_rows` on `gpu` with release `vllm`, 0.26 where every run here ran)."""
     if eager:
         return int(B) * (k + 1)
-    return cudagraphs.graph_rows(int(B), k + 1, sizes if isinstance(sizes, list) else None, gpu)
+    return cudagraphs.graph_rows(int(B), k + 1, sizes if isinstance(sizes, list) else None,
+                                 gpu, vllm)
 
 
 def rows_curve(costs: pd.DataFrame, layers: int, eager: bool) -> pd.Series:
@@ -342,9 +344,9 @@ def drafter_scaled(d: pd.DataFrame, k: int) -> bool:
 
 
 def predict(costs: pd.DataFrame, drafts: pd.DataFrame, rates, ks=range(1, 6),
-            batches=None, moe=MOE, gpu: str = "hopper") -> pd.DataFrame:
+            batches=None, moe=MOE, gpu: str = "hopper", vllm: str = "0.26") -> pd.DataFrame:
     """Predicted step, tok/s and speedup per (layers, eager, draft, k, B) from the plain
-    curve (`plain_at` with `moe`, by rows: `rows_curve`, `step_rows` on `gpu`) and the
+    curve (`plain_at` with `moe`, by rows: `rows_curve`, `step_rows` on `gpu` and `vllm`) and the
     drafter times of each draft setting (module doc), for the acceptance profile `rates` (or
     {method: rates}, `rates_for`); best k per B is the row with `best` True."""
     rows = []
@@ -357,7 +359,7 @@ def predict(costs: pd.DataFrame, drafts: pd.DataFrame, rates, ks=range(1, 6),
             for B in batches or sorted(costs[(costs.layers == layers) & (costs.k > 0)].B.unique()):
                 t0 = plain_at(curve, B, moe)
                 for k in ks:
-                    n = step_rows(B, k, eager, gpu=gpu)
+                    n = step_rows(B, k, eager, gpu=gpu, vllm=vllm)
                     verify = plain_at(by_rows, n, moe)
                     step = verify + drafter_at(dd[dd.B == B], k, "draft_ms")
                     al = acceptance_length(rates_for(rates, draft), k)

@@ -124,18 +124,21 @@ def report(run_dir: Path, rates=predict.PUBLISHED_EAGLE31,
                    caption=f"{run_dir.name}: verify forward vs the rows of its CUDA graph")
     if len(spec):
         batches = sorted({*(int(b) for b in spec.B.unique()), *PADDING_BATCHES})
-        pad = pd.DataFrame([*cudagraphs.padding(batches, range(1, 6)),
-                            *cudagraphs.padding(batches, range(1, 6), "blackwell")])
+        rules = {"v026": ("hopper", "0.26"), "v034": ("hopper", "0.34"),
+                 "v034sm100": ("blackwell", "0.34")}
+        pad = pd.DataFrame([{**r, "col": f"{name}_k{r['k']}"} for name, (gpu, vllm) in
+                            rules.items() for r in cudagraphs.padding(batches, range(1, 6),
+                                                                      gpu, vllm)])
         pad["padding"] = (100 * pad.padding).round().astype(int)
-        pad["col"] = [f"{g}_k{k}" for g, k in zip(pad.gpu, pad.k)]
         table = pad.pivot_table(index="B", columns="col", values="padding").reset_index()
-        cols = [f"{g}_k{k}" for g in cudagraphs.GPUS for k in range(1, 6)]
+        cols = [f"{name}_k{k}" for name in rules for k in range(1, 6)]
         lines += ["## Padding of the verify step at vLLM's default graphs", "",
                   ("Percent of the verify step's rows that are padding, per batch size B and k, "
-                   "at vLLM's default CUDA-graph sizes (`speclab.cudagraphs`): `hopper` as "
-                   "0.26.0 and 0.34.0 capture on H100/H200, `blackwell` as 0.34.0 does on "
-                   "SM100. A padded row costs what a real one does; plain decoding pads "
-                   "too (B = 5 runs 8 rows), inside its measured step."), "",
+                   "at vLLM's default CUDA-graph sizes (`speclab.cudagraphs`): `v026` as "
+                   "0.26.0 captures (any GPU; the runs here), `v034` as 0.34.0 does on "
+                   "H100/H200, `v034sm100` on SM100. A padded row costs what a real one does; "
+                   "plain decoding pads too (B = 5 runs 8 rows), inside its measured step."),
+                  "",
                   _md(table, ["B", *cols]), ""]
     served = predict.serve_costs(res)
     if len(served):

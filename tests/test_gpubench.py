@@ -82,6 +82,11 @@ def test_mtp_engines_draft_with_the_targets_own_head(tmp_path, fake_pair, monkey
     b4 = G.PLANS["timing-deep-b4"]()
     # B = 4's verify steps at k = 1..5 run 8, 18 (12 tokens padded), 16, 20, 24 rows
     assert b4[0].extra_batches == (8, 16, 18, 20, 24) and b4[1].k == 4
+    nxt = G.PLANS["timing-deep-next"]()  # both on one plain engine, MTP before k = 4
+    assert [e.name for e in nxt] == ["L32-k0-graphs", "L32-k1-graphs-mtp", "L32-k3-graphs-mtp",
+                                     "L32-k4-graphs"]
+    assert nxt[0].extra_batches == (2, 8, 18, 20, 24, 32, 64) and nxt[0].batches == (1, 4, 16)
+    assert set(nxt[0].capture_sizes) >= {18, 20} and nxt[3].batches == (1, 4, 16)
     state = tmp_path / "state"
     assert G.drive(state, time.time() + 300, "smoke-mtp", 1, paths=fake_pair) == 0
     rows = [json.loads(x) for x in (state / "results.jsonl").read_text().splitlines()]

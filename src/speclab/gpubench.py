@@ -240,6 +240,17 @@ def mtp_plan(layers: int = 32) -> list[Engine]:
             *(Engine(layers, k, batches=(1, 16), method="mtp") for k in (1, 3))]
 
 
+def next_plan(layers: int = 32) -> list[Engine]:
+    """`timing-deep-mtp` and `timing-deep-b4` on one plain engine, MTP first: plain at B = 1,
+    4, 16 and at the rows of every verify graph both need, method `mtp` at k = 1 and 3
+    (B = 1, 16), then EAGLE-3 k = 4 at B = 1, 4, 16 (the part a deadline may cut)."""
+    extra = {*verify_batches((1, 16), (1, 3)), *verify_batches((4,), range(1, 6))}
+    plain = Engine(layers, 0, batches=(1, 4, 16), extra_batches=tuple(sorted(extra - {1, 4, 16})))
+    return [plain,
+            *(Engine(layers, k, batches=(1, 16), method="mtp") for k in (1, 3)),
+            Engine(layers, 4, batches=(1, 4, 16))]
+
+
 def jit_cold_plan() -> list[Engine]:
     """What the carried JIT caches save: k = 3 at 4 layers, B = 1, started with no cache (its
     own empty HOME) and then with the carried ones; compare `engine_init_s` and round 0."""
@@ -277,7 +288,7 @@ PLANS = {**{f"timing-{v}": (lambda v=v: timing_plan(v)) for v in DRAFT_VARIANTS}
          **{f"timing-deep-k{k}": (lambda k=k: [Engine(32, k, batches=(1, 16))])
             for k in range(1, 6)},
          "timing-deep-rest": deep_rest_plan, "jit-cold": jit_cold_plan,
-         "timing-deep-mtp": mtp_plan,
+         "timing-deep-mtp": mtp_plan, "timing-deep-next": next_plan,
          # the B = 4 loss of 2026-12-05: plain at every verify size of B = 4, k = 4 in full
          "timing-deep-b4": lambda: [Engine(32, 0, batches=(4,),
                                            extra_batches=verify_batches((4,), range(1, 6))),

@@ -27,7 +27,6 @@ depth.
 from __future__ import annotations
 
 import itertools
-import json
 from pathlib import Path
 
 import numpy as np
@@ -74,9 +73,17 @@ def rates_for(rates, draft: str):
 
 
 # --------------------------------------------------------------------------- measurements
+def engines(run_dir: Path) -> list[dict]:
+    """Every engine record of a gpubench run (all calls: `engines.jsonl` in the folder or
+    below it), in order."""
+    from speclab.store import read_jsonl
+
+    return [e for path in sorted(Path(run_dir).rglob("engines.jsonl")) for e in read_jsonl(path)]
+
+
 def load(run_dir: Path) -> pd.DataFrame:
     """Every pass of a gpubench run (all calls: `results.jsonl` in the folder or below it),
-    with its engine's CUDA-graph capture sizes as resolved (`engines.jsonl`; column
+    with its engine's CUDA-graph capture sizes as resolved (`engines`; column
     `capture_sizes`, None where not recorded)."""
     from speclab.store import read_jsonl
 
@@ -84,8 +91,7 @@ def load(run_dir: Path) -> pd.DataFrame:
     if not rows:
         raise FileNotFoundError(f"no results.jsonl under {run_dir}")
     sizes = {e["engine"]: e["resolved"].get("cudagraph_capture_sizes") or None
-             for path in sorted(Path(run_dir).rglob("engines.jsonl"))
-             for e in read_jsonl(path) if "engine" in e and "resolved" in e}
+             for e in engines(run_dir) if "engine" in e and "resolved" in e}
     df = pd.DataFrame(rows)
     df["capture_sizes"] = df.engine.map(lambda e: sizes.get(e))
     return df
@@ -471,23 +477,21 @@ def memory_check(run_dir: Path) -> pd.DataFrame:
     from speclab.gpubench import MAX_BATCHED
 
     rows = []
-    for path in sorted(Path(run_dir).rglob("engines.jsonl")):
-        for line in path.read_text().splitlines():
-            e = json.loads(line)
-            took = [float(m.group(1)) for f in e.get("log_facts", [])
-                    if (m := re.search(r"Model loading took ([\d.]+) GiB", f))]
-            if not took:
-                continue
-            batched = [int(m.group(1)) for f in e.get("log_facts", [])
-                       if (m := re.search(r"'max_num_batched_tokens': (\d+)", f))]
-            cfg = realshape.realshape_config(e["layers"], e.get("expert_dtype", "fp4"))
-            est = memory.per_gpu(memory.Files(config=cfg, source="config"), 1,
-                                 (batched or [MAX_BATCHED])[-1])[0]
-            if e["k"] and e.get("method") == "mtp":  # the target's own mtp.0
-                est += sum(memory.mtp_weight_bytes(realshape.realshape_config(
-                    e["layers"], e.get("expert_dtype", "fp4"), mtp=True)))
-            elif e["k"]:
-                est += sum(memory.weight_bytes(realshape.draft_config(cfg)))
-            rows.append({"engine": e["engine"], "estimate_gib": est / 2 ** 30,
-                         "vllm_gib": took[-1], "error": est / 2 ** 30 / took[-1] - 1})
+    for e in engines(run_dir):
+        took = [float(m.group(1)) for f in e.get("log_facts", [])
+                if (m := re.search(r"Model loading took ([\d.]+) GiB", f))]
+        if not took:
+            continue
+        batched = [int(m.group(1)) for f in e.get("log_facts", [])
+                   if (m := re.search(r"'max_num_batched_tokens': (\d+)", f))]
+        cfg = realshape.realshape_config(e["layers"], e.get("expert_dtype", "fp4"))
+        est = memory.per_gpu(memory.Files(config=cfg, source="config"), 1,
+                             (batched or [MAX_BATCHED])[-1])[0]
+        if e["k"] and e.get("method") == "mtp":  # the target's own mtp.0
+            est += sum(memory.mtp_weight_bytes(realshape.realshape_config(
+                e["layers"], e.get("expert_dtype", "fp4"), mtp=True)))
+        elif e["k"]:
+            est += sum(memory.weight_bytes(realshape.draft_config(cfg)))
+        rows.append({"engine": e["engine"], "estimate_gib": est / 2 ** 30,
+                     "vllm_gib": took[-1], "error": est / 2 ** 30 / took[-1] - 1})
     return pd.DataFrame(rows).drop_duplicates("engine", keep="last")

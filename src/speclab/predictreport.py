@@ -203,11 +203,8 @@ def report(run_dir: Path, rates=predict.PUBLISHED_EAGLE31,
 
 
 def _expert_dtypes(run_dir: Path) -> set[str]:
-    """The routed experts' dtypes the run's engines loaded (`engines.jsonl`)."""
-    from speclab import store
-
-    return {e.get("expert_dtype", "fp4") for path in Path(run_dir).rglob("engines.jsonl")
-            for e in store.read_jsonl(path)}
+    """The routed experts' dtypes the run's engines loaded (`predict.engines`)."""
+    return {e.get("expert_dtype", "fp4") for e in predict.engines(run_dir)}
 
 
 def _node_section(ex: dict, rates, gpus: int, dtypes: set[str], out_dir: Path) -> list[str]:

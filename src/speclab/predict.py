@@ -291,12 +291,10 @@ def step_rows(B: int, k: int, eager: bool, sizes=None, gpu: str = "hopper",
 
 
 def rows_curve(costs: pd.DataFrame, layers: int, eager: bool) -> pd.Series:
-    """Plain step ms by the rows the step ran (`step_costs`' `rows`; where a table has
-    none, `step_rows` at vLLM's default sizes), the mean where several batch sizes replay
-    one graph, sorted."""
+    """Plain step ms by the rows the step ran (`step_costs`' `rows`), the mean where several
+    batch sizes replay one graph, sorted."""
     c = costs[(costs.layers == layers) & (costs.eager == eager) & (costs.k == 0)]
-    rows = c.rows if "rows" in c else c.B.map(lambda b: step_rows(b, 0, eager))
-    return c.step_ms.groupby(rows.to_numpy()).mean().sort_index()
+    return c.step_ms.groupby(c.rows.to_numpy()).mean().sort_index()
 
 
 def experts_touched(n, experts: int = MOE[0], top_k: int = MOE[1]):
@@ -452,7 +450,7 @@ def extrapolate(costs: pd.DataFrame, drafts: pd.DataFrame, rates, layers: int =
         fit.append({"n": int(n), "a_ms": a, "b_ms_per_layer": b, "resolved": resolved})
         if resolved:
             synth.append({"layers": layers, "eager": eager, "k": 0, "B": int(n),
-                          "rows": int(hi.rows) if "rows" in g else step_rows(n, 0, eager),
+                          "rows": int(hi.rows),
                           "step_ms": a + b * layers})
     if not synth:
         raise ValueError(f"the plain step does not grow beyond its 95% interval from "

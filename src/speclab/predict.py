@@ -27,6 +27,7 @@ depth.
 from __future__ import annotations
 
 import itertools
+import math
 from pathlib import Path
 
 import numpy as np
@@ -58,6 +59,36 @@ def acceptance_profile(rates, k: int) -> list[float]:
 
 def acceptance_length(rates, k: int) -> float:
     return 1.0 + sum(acceptance_profile(rates, k)) if k else 1.0
+
+
+def round_survival(rates, k: int, tokens: int) -> np.ndarray:
+    """s_j (j = 1, 2, ...): the probability that a request still generating `tokens` tokens
+    after its first runs a j-th verify round, each round emitting A + 1 tokens with
+    P(A >= i) = p_i (the unconditional per-position `rates`, continued by
+    `acceptance_profile`) independently of the others; sum_j s_j is its expected rounds."""
+    p = np.r_[1.0, acceptance_profile(rates, k), 0.0] if k else np.array([1.0, 0.0])
+    emitted = np.r_[0.0, p[:-1] - p[1:]]  # P(a round emits t tokens), t = 0 .. k + 1
+    running = np.zeros(tokens)
+    running[0] = 1.0  # P(t tokens emitted so far and the request still running), t < tokens
+    s = []
+    while running.sum() > 1e-12:  # every round emits a token: at most `tokens` rounds
+        s.append(running.sum())
+        running = np.convolve(running, emitted)[:tokens]
+    return np.array(s)
+
+
+def batch_step(step_ms, survival: np.ndarray) -> float:
+    """The mean time per round of a batch whose B requests start together and each stop
+    after their own rounds (`round_survival`): a step runs the requests still going, m of B
+    with probability Binomial(B, s_j) at round j, and costs `step_ms`[m - 1]; the batch's
+    decode time over the rounds a request runs on average, the step a pass's tok/s sees."""
+    t = np.r_[0.0, np.asarray(step_ms, float)]
+    B = len(t) - 1
+    m = np.arange(B + 1)
+    comb = np.array([math.comb(B, int(i)) for i in m], float)
+    s = survival[:, None]
+    pmf = comb * s ** m * (1 - s) ** (B - m)
+    return float((pmf @ t).sum() / survival.sum())
 
 
 def method_of(draft: str) -> str:
@@ -111,7 +142,8 @@ def draft_setting(engine: str, k: int) -> str:
 
 
 def passes(results: pd.DataFrame, max_tokens: int = 128) -> pd.DataFrame:
-    """Timed passes (round >= 1, op `pass`) with decode time, steps, step time and tok/s. A
+    """Timed passes (round >= 1, op `pass`) with decode time, tokens a request after its
+    first, steps (speculative: verify rounds a request ran on average), step time and tok/s. A
     pass is kept once (the last record of an engine, round and batch size); not kept: a pass
     during which a kernel was JIT-compiled, one whose decode time is not positive, and one
     whose prefill or full time is over `STALL` times its engine's median at that batch size
@@ -131,6 +163,7 @@ def passes(results: pd.DataFrame, max_tokens: int = 128) -> pd.DataFrame:
              pd.Series(max_tokens, index=df.index)).fillna(max_tokens) - 1
     sizes = df.capture_sizes if "capture_sizes" in df else pd.Series(None, index=df.index)
     df["rows"] = [step_rows(b, k, e, z) for b, k, e, z in zip(df.B, df.k, df.eager, sizes)]
+    df["tokens"] = after
     df["steps"] = np.where(df.k > 0, drafts / df.B, after)
     df["step_ms"] = 1e3 * df.decode_s / df.steps
     df["tok_s"] = df.B * after / df.decode_s
@@ -140,7 +173,7 @@ def passes(results: pd.DataFrame, max_tokens: int = 128) -> pd.DataFrame:
 
 def step_costs(results: pd.DataFrame, max_tokens: int = 128) -> pd.DataFrame:
     """Per (layers, eager, k, B): step time, tok/s (mean and 95% t-interval over rounds),
-    measured AL and rounds; speedup over the plain engine of the same (layers, eager, B) as
+    measured AL, tokens a request and rounds; speedup over the plain engine of the same (layers, eager, B) as
     the geometric mean of per-round ratios (rounds run interleaved, so round r pairs)."""
     df = passes(results, max_tokens)
     keys = [*CONFIG, "k", "B"]
@@ -151,7 +184,8 @@ def step_costs(results: pd.DataFrame, max_tokens: int = 128) -> pd.DataFrame:
         rows.append({**dict(zip(keys, key)), "rows": int(g.rows.iloc[0]),
                      "step_ms": step[0], "step_lo": step[1],
                      "step_hi": step[2], "tok_s": tput[0], "tok_s_lo": tput[1],
-                     "tok_s_hi": tput[2], "al": g.al.mean(), "rounds": len(g)})
+                     "tok_s_hi": tput[2], "al": g.al.mean(), "tokens": g.tokens.median(),
+                     "rounds": len(g)})
     out = pd.DataFrame(rows)
     if out.empty:
         return out
@@ -208,9 +242,12 @@ def draft_ms(results: pd.DataFrame) -> pd.DataFrame:
 def step_anatomy(results: pd.DataFrame, max_tokens: int = 128) -> pd.DataFrame:
     """Per split pass: median GPU and host ms per decode step of the target's forward
     (`execute`), of sampling (`sample`, which holds the drafter) and of the drafter
-    (`propose`), from `speclab.steptiming`'s records (runs that recorded only the drafter
-    have no rows here); with the timed passes' step (`step_costs`), `idle_ms`: the step
-    less the GPU's execute and sample, the time a step the GPU waits for the host."""
+    (`propose`) at its B requests, from `speclab.steptiming`'s records (runs that recorded
+    only the drafter have no rows here); `gpu_ms`: the GPU's execute and sample over all the
+    pass's decode steps, those its last requests ran alone included, per round a request
+    ran, and `tail_ms`, what that adds to the mean step at B (the batch's tail,
+    `batch_step`); with the timed passes' step (`step_costs`), `idle_ms`: the step less
+    `gpu_ms`, the time a step the GPU waits for the host."""
     rows = []
     for _, r in _splits(results).iterrows():
         row = {"layers": r.layers, "eager": r.eager, "draft": draft_setting(r.engine, r.k),
@@ -219,7 +256,14 @@ def step_anatomy(results: pd.DataFrame, max_tokens: int = 128) -> pd.DataFrame:
             calls = _step_calls(r, op)
             row[f"{op}_ms"], row[f"{op}_host_ms"] = (_median(calls, "ms"),
                                                      _median(calls, "host_ms"))
+        decode = [c for c in r["calls"] if c.get("op") in ("execute", "sample")
+                  and c.get("reqs") and c["tokens"] == c["reqs"] * (r.k + 1)]
         if not np.isnan(row["execute_ms"]):
+            executes = [c for c in decode if c["op"] == "execute"]
+            row["gpu_ms"] = sum(c["ms"] for c in decode) / (sum(c["reqs"] for c in executes)
+                                                           / r.B)
+            row["tail_ms"] = row["gpu_ms"] - (sum(c["ms"] for c in decode if c["reqs"] == r.B)
+                                              / sum(c["reqs"] == r.B for c in executes))
             rows.append(row)
     out = pd.DataFrame(rows)
     if out.empty:
@@ -229,7 +273,7 @@ def step_anatomy(results: pd.DataFrame, max_tokens: int = 128) -> pd.DataFrame:
     keys = [*CONFIG, "k", "B"]
     out = out.merge(costs[[*keys, "step_ms"]], on=keys, how="left") if len(costs) else \
         out.assign(step_ms=np.nan)
-    out["idle_ms"] = out.step_ms - out.execute_ms - out.sample_ms
+    out["idle_ms"] = out.step_ms - out.gpu_ms
     return out
 
 
@@ -348,11 +392,15 @@ def drafter_scaled(d: pd.DataFrame, k: int) -> bool:
 
 
 def predict(costs: pd.DataFrame, drafts: pd.DataFrame, rates, ks=range(1, 6),
-            batches=None, moe=MOE, gpu: str = "hopper", vllm: str = "0.26") -> pd.DataFrame:
+            batches=None, moe=MOE, gpu: str = "hopper", vllm: str = "0.26",
+            tokens: int | None = None) -> pd.DataFrame:
     """Predicted step, tok/s and speedup per (layers, eager, draft, k, B) from the plain
     curve (`plain_at` with `moe`, by rows: `rows_curve`, `step_rows` on `gpu` and `vllm`) and the
     drafter times of each draft setting (module doc), for the acceptance profile `rates` (or
-    {method: rates}, `rates_for`); best k per B is the row with `best` True."""
+    {method: rates}, `rates_for`); best k per B is the row with `best` True. `tokens`: an
+    offline batch of B requests generating that many tokens each after the first, whose
+    last rounds run fewer requests (`batch_step`; `tail_ms` is what that adds a step);
+    None: a batch whose finished requests are replaced at once (serving at concurrency B)."""
     rows = []
     for (layers, eager), _ in costs.groupby(["layers", "eager"]):
         curve = plain_curve(costs, layers, eager)
@@ -365,11 +413,20 @@ def predict(costs: pd.DataFrame, drafts: pd.DataFrame, rates, ks=range(1, 6),
                 for k in ks:
                     n = step_rows(B, k, eager, gpu=gpu, vllm=vllm)
                     verify = plain_at(by_rows, n, moe)
-                    step = verify + drafter_at(dd[dd.B == B], k, "draft_ms")
-                    al = acceptance_length(rates_for(rates, draft), k)
+                    draft_ms = drafter_at(dd[dd.B == B], k, "draft_ms")
+                    rate = rates_for(rates, draft)
+                    tail = 0.0
+                    if tokens and B > 1:  # the drafter's time at B for every step
+                        tail = batch_step([plain_at(by_rows, step_rows(m, k, eager, gpu=gpu,
+                                                                       vllm=vllm), moe)
+                                           + draft_ms for m in range(1, int(B) + 1)],
+                                          round_survival(rate, k, tokens)) - verify - draft_ms
+                    step = verify + draft_ms + tail
+                    al = acceptance_length(rate, k)
                     rows.append({"layers": layers, "eager": eager, "draft": draft, "k": k,
                                  "B": B, "al": al, "verify_rows": n, "verify_ms": verify,
-                                 "draft_ms": step - verify, "pred_step_ms": step,
+                                 "draft_ms": draft_ms, "tail_ms": tail,
+                                 "pred_step_ms": step,
                                  "draft_host_ms": drafter_at(dd[dd.B == B], k, "draft_host_ms"),
                                  "drafter_scaled": drafter_scaled(dd[dd.B == B], k),
                                  "pred_tok_s": 1e3 * B * al / step,
@@ -383,32 +440,39 @@ def predict(costs: pd.DataFrame, drafts: pd.DataFrame, rates, ks=range(1, 6),
 
 def validate(results: pd.DataFrame, max_tokens: int = 128) -> pd.DataFrame:
     """Every measured speculative point beside its prediction from the plain curve, the
-    drafter time and the point's own measured AL (so the check is of the step-cost model):
-    columns step_ms / pred_step_ms, speedup (CI) / pred_speedup, error = pred / measured - 1.
-    Where the drafter's host time was recorded, also the bound with that host time serial to
-    the verify step (`pred_serial_speedup`: an eager drafter's launches the GPU waits for)
-    and `bracketed`: the measured speedup lies between the two predictions. `error_linear`:
-    the same prediction with T_plain linear in n (`interpolate`), the model before the
-    experts term."""
+    drafter time and the point's own measured AL (so the check is of the step-cost model),
+    for its pass: B requests of the pass's tokens each, the batch's tail included (`predict`
+    `tokens`): columns step_ms / pred_step_ms, speedup (CI) / pred_speedup, error = pred /
+    measured - 1. Where the drafter's host time was recorded, also the bound with that host
+    time serial to the verify step (`pred_serial_speedup`: an eager drafter's launches the
+    GPU waits for) and `bracketed`: the measured speedup lies between the two predictions.
+    The models before the last two terms, as controls: `error_steady` without the tail (every
+    step at B), `error_linear` with T_plain linear in n (`interpolate`), not in the experts
+    it reads."""
     costs = step_costs(results, max_tokens)
     drafts = draft_ms(results)
     timed = passes(results, max_tokens)
     rows = []
     for _, r in costs[costs.k > 0].iterrows():
-        p = predict(costs, drafts, _measured_rates(r, timed), ks=[r.k], batches=[r.B])
-        p = p[(p.layers == r.layers) & (p.eager == r.eager) & (p.draft == r.draft)]
+        rates, tokens = _measured_rates(r, timed), int(round(r.tokens))
+
+        def mine(**kw) -> pd.DataFrame:
+            p = predict(costs, drafts, rates, ks=[r.k], batches=[r.B], **kw)
+            return p[(p.layers == r.layers) & (p.eager == r.eager) & (p.draft == r.draft)]
+
+        p = mine(tokens=tokens)
         if p.empty:
             continue
         q = p.iloc[0]
-        lin = predict(costs, drafts, _measured_rates(r, timed), ks=[r.k], batches=[r.B], moe=None)
-        lin = lin[(lin.layers == r.layers) & (lin.eager == r.eager) & (lin.draft == r.draft)]
-        serial = q.pred_speedup * q.pred_step_ms / (q.verify_ms + max(q.draft_host_ms,
-                                                                      q.draft_ms))
+        serial = q.pred_speedup * q.pred_step_ms / (q.pred_step_ms - q.draft_ms
+                                                    + max(q.draft_host_ms, q.draft_ms))
         rows.append({**r.to_dict(), "pred_step_ms": q.pred_step_ms, "draft_ms": q.draft_ms,
-                     "verify_ms": q.verify_ms, "drafter_scaled": q.drafter_scaled,
-                     "pred_speedup": q.pred_speedup,
+                     "verify_ms": q.verify_ms, "pred_tail_ms": q.tail_ms,
+                     "drafter_scaled": q.drafter_scaled, "pred_speedup": q.pred_speedup,
                      "error": q.pred_speedup / r.speedup - 1, "draft_host_ms": q.draft_host_ms,
-                     "error_linear": lin.pred_speedup.iloc[0] / r.speedup - 1,
+                     "error_steady": mine().pred_speedup.iloc[0] / r.speedup - 1,
+                     "error_linear": mine(tokens=tokens, moe=None).pred_speedup.iloc[0]
+                     / r.speedup - 1,
                      "pred_serial_speedup": serial,
                      "bracketed": bool(serial <= r.speedup <= q.pred_speedup)
                      if pd.notna(q.draft_host_ms) else None})

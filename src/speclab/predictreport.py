@@ -87,12 +87,16 @@ def report(run_dir: Path, rates=predict.PUBLISHED_EAGLE31,
                    "runs (`speclab.cudagraphs`: B(k+1) tokens padded to a captured size), the "
                    "drafter's measured time (`drafter_scaled`: carried from other k, "
                    "`predict.drafter_at`) "
-                  f"and the point's measured acceptance; largest |error| {worst:.1%} "
-                  f"({val.error_linear.abs().max():.1%} with the plain step linear in n, "
-                  "`error_linear`)."), "",
+                  "and the point's measured acceptance, for the pass as it ran: B requests of "
+                  "its tokens started together, whose last rounds run the requests still "
+                  "going (`pred_tail_ms`, what that adds a step, from the acceptance alone: "
+                  f"`predict.round_survival`); largest |error| {worst:.1%} "
+                  f"({val.error_steady.abs().max():.1%} without the tail, every step at B, "
+                  f"`error_steady`; {val.error_linear.abs().max():.1%} with the plain step "
+                  "linear in n, `error_linear`)."), "",
                   _md(val, [*CONFIG, "B", "k", "step_ms", "pred_step_ms", "verify_ms",
-                            "draft_ms", "drafter_scaled", "speedup", "pred_speedup", "error",
-                            "error_linear"]),
+                            "draft_ms", "pred_tail_ms", "drafter_scaled", "speedup",
+                            "pred_speedup", "error", "error_steady", "error_linear"]),
                   "", (f"T_plain(n) is linear in E(n) = {MOE[0]}(1 - (1 - {MOE[1]}/{MOE[0]})^n), "
                        "the routed experts n tokens read per MoE layer, between the measured "
                        "plain batch sizes (`predict.plain_at`)."), ""]
@@ -152,15 +156,19 @@ def report(run_dir: Path, rates=predict.PUBLISHED_EAGLE31,
     anatomy = predict.step_anatomy(res)
     if len(anatomy):
         cols = [*CONFIG, "k", "B", *(f"{op}_{t}" for op in ("execute", "sample", "propose")
-                                     for t in ("ms", "host_ms")), "step_ms", "idle_ms"]
+                                     for t in ("ms", "host_ms")), "gpu_ms", "tail_ms",
+                "step_ms", "idle_ms"]
         lines += ["## Step anatomy (split passes)", "",
                   ("Median per decode step, GPU time (CUDA events around the call) and host "
                    "time (wall time of the call) of the target's forward (`execute`), of "
                    "sampling (`sample`, which runs the drafter) and of the drafter "
                    "(`propose`), from `speclab.steptiming`. A host time above its GPU time is "
-                   "a part the GPU waits for; `idle_ms`, the timed passes' step less the "
-                   "GPU's execute and sample, is what a step spends with the GPU waiting "
-                   "(the cost model's GPU-only prediction leaves it out)."), "",
+                   "a part the GPU waits for. `gpu_ms`: the GPU's execute and sample over "
+                   "all the pass's decode steps, its last requests' alone included, per "
+                   "round a request ran; `tail_ms`, what those last steps add to the step at "
+                   "B (the cost model's `pred_tail_ms` predicts it); `idle_ms`, the timed "
+                   "passes' step less `gpu_ms`, what a step spends with the GPU waiting (the "
+                   "cost model leaves it out)."), "",
                   _md(anatomy.sort_values([*CONFIG, "B", "k"]), cols), ""]
     try:
         by_method = {"eagle3": list(rates), "mtp": list(mtp_rates)}
@@ -170,7 +178,8 @@ def report(run_dir: Path, rates=predict.PUBLISHED_EAGLE31,
                   + (f" (MTP: {list(mtp_rates)})" if has_mtp else ""), "",
                   (f"Plain step per batch size n fitted as a + b·L over layers "
                   f"{ex['layers_measured']}; drafter times from the {ex['drafts_from_layers']}-"
-                  "layer run. One GPU, TP 1"
+                  "layer run. Requests replaced as they finish (serving at concurrency B; "
+                  "an offline batch also pays its tail, `pred_tail_ms` above). One GPU, TP 1"
                   + (f"; the next section says what a TP {gpus} + EP node changes." if gpus > 1
                      else ".")), "",
                   _md(ex["fit"], ["n", "a_ms", "b_ms_per_layer", "resolved"]), "",

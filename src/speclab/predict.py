@@ -454,9 +454,9 @@ def validate(results: pd.DataFrame, max_tokens: int = 128) -> pd.DataFrame:
     timed = passes(results, max_tokens)
     rows = []
     for _, r in costs[costs.k > 0].iterrows():
-        rates, tokens = _measured_rates(r, timed), int(round(r.tokens))
+        rates, tokens = _measured_rates(r, timed), int(np.rint(r.tokens))
 
-        def mine(**kw) -> pd.DataFrame:
+        def mine(r=r, rates=rates, **kw) -> pd.DataFrame:
             p = predict(costs, drafts, rates, ks=[r.k], batches=[r.B], **kw)
             return p[(p.layers == r.layers) & (p.eager == r.eager) & (p.draft == r.draft)]
 

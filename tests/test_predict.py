@@ -29,16 +29,22 @@ def graph(B, k):
 
 
 @functools.lru_cache
-def batch(B, k, L, n, rates=RATES, draws=400):
-    """Monte Carlo truth of an offline batch (independent of `predict.round_survival`): B
-    requests of `n` tokens, each round accepting the first i drafts with probability
-    p_i - p_{i+1}, stepped together until the last one ends, a step of m requests costing
-    the plain step of its graph's rows plus the drafter at B. Returns the mean verify rounds
-    a request ran and the batch's mean decode ms."""
-    g = np.random.default_rng(B * 100 + k * 10 + L)
+def request_rounds(B, k, n, rates, draws=400):
+    """Monte Carlo rounds of `draws` batches of B requests of `n` tokens, each round
+    accepting the first i drafts with probability p_i - p_{i+1} (independent of
+    `predict.round_survival`): an array draws x B."""
+    g = np.random.default_rng(B * 100 + k)
     p = np.r_[1.0, rates[:k], 0.0]
     emitted = g.choice(k + 1, size=(draws, B, n), p=p[:-1] - p[1:]) + 1
-    R = (np.cumsum(emitted, axis=2) < n - 1).sum(axis=2) + 1  # rounds each request ran
+    return (np.cumsum(emitted, axis=2) < n - 1).sum(axis=2) + 1
+
+
+def batch(B, k, L, n, rates=RATES):
+    """The truth of an offline batch: B requests stepped together until the last one ends
+    (`request_rounds`), a step of m requests costing the plain step of its graph's rows plus
+    the drafter at B. Returns the mean verify rounds a request ran and the batch's mean
+    decode ms."""
+    R = request_rounds(B, k, n, tuple(rates))
     cost = np.r_[0.0, [t_plain(graph(m, k), L) + t_draft(k, B) for m in range(1, B + 1)]]
     running = (R[:, :, None] >= np.arange(1, R.max() + 1)).sum(axis=1)  # draws x steps
     return float(R.mean()), float(cost[running].sum(axis=1).mean())

@@ -19,6 +19,11 @@ requests with q tokens each runs: under CUDA graphs the captured graph it is pad
 plain step at B ran G_1(B) rows of its own engine's graphs (`rows_curve`). T_draft is the
 drafter's GPU time per step measured with CUDA events (`speclab.steptiming`), and p_j the
 unconditional acceptance at position j (a run's counters or a draft card's published rates).
+For an offline batch (B requests started together, as every gpubench pass is) T_spec is the
+batch's mean step: its last rounds run the requests still going, Binomial(B, s_j) of them at
+round j with s_j the probability that a request runs a j-th round (`round_survival`, from the
+acceptance profile alone), and a pass's tok/s sees E[sum_j T_spec(n_j)] / sum_j s_j
+(`batch_step`); a served batch, whose finished requests are replaced, has no tail.
 `validate` puts every measured speculative point beside its prediction; `extrapolate` fits
 T_plain(n, L) = a(n) + b(n) L over the measured layer counts and predicts at the production
 depth.
@@ -173,8 +178,9 @@ def passes(results: pd.DataFrame, max_tokens: int = 128) -> pd.DataFrame:
 
 def step_costs(results: pd.DataFrame, max_tokens: int = 128) -> pd.DataFrame:
     """Per (layers, eager, k, B): step time, tok/s (mean and 95% t-interval over rounds),
-    measured AL, tokens a request and rounds; speedup over the plain engine of the same (layers, eager, B) as
-    the geometric mean of per-round ratios (rounds run interleaved, so round r pairs)."""
+    measured AL, tokens a request and rounds; speedup over the plain engine of the same
+    (layers, eager, B) as the geometric mean of per-round ratios (rounds run interleaved, so
+    round r pairs)."""
     df = passes(results, max_tokens)
     keys = [*CONFIG, "k", "B"]
     rows = []

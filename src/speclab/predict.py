@@ -214,6 +214,13 @@ def _step_calls(r, op: str) -> list[dict]:
             and c["tokens"] == r.B * (r.k + 1)]
 
 
+def _decode_calls(r, ops) -> list[dict]:
+    """A split pass's recorded calls of `ops` at all its decode steps, those its last
+    requests ran with fewer than B included (k + 1 scheduled tokens a request)."""
+    return [c for c in r["calls"] if c.get("op") in ops and c.get("reqs")
+            and c["tokens"] == c["reqs"] * (r.k + 1)]
+
+
 def _median(calls: list[dict], key: str) -> float:
     """Median of `key` over the calls that recorded it (NaN where none did)."""
     vals = [c[key] for c in calls if key in c]
@@ -262,9 +269,8 @@ def step_anatomy(results: pd.DataFrame, max_tokens: int = 128) -> pd.DataFrame:
             calls = _step_calls(r, op)
             row[f"{op}_ms"], row[f"{op}_host_ms"] = (_median(calls, "ms"),
                                                      _median(calls, "host_ms"))
-        decode = [c for c in r["calls"] if c.get("op") in ("execute", "sample")
-                  and c.get("reqs") and c["tokens"] == c["reqs"] * (r.k + 1)]
         if not np.isnan(row["execute_ms"]):
+            decode = _decode_calls(r, ("execute", "sample"))
             executes = [c for c in decode if c["op"] == "execute"]
             row["gpu_ms"] = sum(c["ms"] for c in decode) / (sum(c["reqs"] for c in executes)
                                                            / r.B)
@@ -295,12 +301,10 @@ def verify_by_rows(results: pd.DataFrame) -> pd.DataFrame:
         if not r.k:
             continue
         sizes = r.get("capture_sizes")
-        for c in r["calls"]:
-            if c.get("op") == "execute" and c.get("reqs") and c["tokens"] == c["reqs"] * (r.k + 1):
-                rows.append({"layers": r.layers, "eager": r.eager,
-                             "draft": draft_setting(r.engine, r.k), "k": r.k,
-                             "tokens": c["tokens"],
-                             "rows": step_rows(c["reqs"], r.k, r.eager, sizes), "ms": c["ms"]})
+        for c in _decode_calls(r, ("execute",)):
+            rows.append({"layers": r.layers, "eager": r.eager,
+                         "draft": draft_setting(r.engine, r.k), "k": r.k, "tokens": c["tokens"],
+                         "rows": step_rows(c["reqs"], r.k, r.eager, sizes), "ms": c["ms"]})
     if not rows:
         return pd.DataFrame()
     out = (pd.DataFrame(rows).groupby([*CONFIG, "k", "tokens", "rows"]).ms
@@ -415,11 +419,11 @@ def predict(costs: pd.DataFrame, drafts: pd.DataFrame, rates, ks=range(1, 6),
         for draft in sorted(d.draft.unique()) or [""]:
             dd = d[d.draft == draft]
             for B in batches or sorted(costs[(costs.layers == layers) & (costs.k > 0)].B.unique()):
-                t0 = plain_at(curve, B, moe)
+                t0, db = plain_at(curve, B, moe), dd[dd.B == B]
                 for k in ks:
                     n = step_rows(B, k, eager, gpu=gpu, vllm=vllm)
                     verify = plain_at(by_rows, n, moe)
-                    draft_ms = drafter_at(dd[dd.B == B], k, "draft_ms")
+                    draft_ms = drafter_at(db, k, "draft_ms")
                     rate = rates_for(rates, draft)
                     tail = 0.0
                     if tokens and B > 1:  # the drafter's time at B for every step
@@ -433,8 +437,8 @@ def predict(costs: pd.DataFrame, drafts: pd.DataFrame, rates, ks=range(1, 6),
                                  "B": B, "al": al, "verify_rows": n, "verify_ms": verify,
                                  "draft_ms": draft_ms, "tail_ms": tail,
                                  "pred_step_ms": step,
-                                 "draft_host_ms": drafter_at(dd[dd.B == B], k, "draft_host_ms"),
-                                 "drafter_scaled": drafter_scaled(dd[dd.B == B], k),
+                                 "draft_host_ms": drafter_at(db, k, "draft_host_ms"),
+                                 "drafter_scaled": drafter_scaled(db, k),
                                  "pred_tok_s": 1e3 * B * al / step,
                                  "pred_speedup": al * t0 / step})
     out = pd.DataFrame(rows)

@@ -414,6 +414,10 @@ def test_a_cold_jit_engine_starts_alone_with_an_empty_home(tmp_path, fake_pair, 
     assert [[e.name for e in g] for g in G.pack_groups([cold, warm], {4: 17.0}, 130.0, 2.5)] \
         == [["L4-k3-graphs-coldjit"], ["L4-k3-graphs"]]
     assert len(G.pack_groups([warm, replace(warm, k=1)], {4: 17.0}, 130.0, 2.5)) == 1
+    # both 4-layer checks on one H100 (2026-12-05): the MTP pair shares the GPU, cold alone
+    both = P.PLANS["smoke-mtp-jit-cold"]()
+    assert [[e.name for e in g] for g in G.pack_groups(both, {4: 18.6}, 79.6, 1.5)] == [
+        ["L4-k0-graphs", "L4-k3-graphs-mtp"], ["L4-k3-graphs-coldjit"], ["L4-k3-graphs"]]
     seen = []
     from speclab import launch
 

@@ -64,6 +64,24 @@ def test_real_shape_with_the_eagle31_draft_within_5_percent_of_vllm():
         16.26, rel=0.05)
 
 
+def test_real_shape_mtp_engine_shares_the_targets_head():
+    """h100-realshape-20261205-vllm026-smokemtp (4 layers, MXFP4): the MTP engine loaded 18.80
+    GiB, the plain one 15.45; the MTP layer without a head of its own is within 1% of it, with
+    one (the control: vLLM replaces it by the target's) 5% above."""
+    took = {}
+    for e in map(json.loads, (RUNS / "h100-realshape-20261205-vllm026-smokemtp"
+                              / "engines.jsonl").read_text().splitlines()):
+        for f in e.get("log_facts", []):
+            if m := re.search(r"Model loading took ([\d.]+) GiB", f):
+                took[e.get("method", "eagle3") if e["k"] else "plain"] = float(m.group(1))
+    assert took["plain"] == 15.45 and took["mtp"] == 18.80
+    cfg = realshape.realshape_config(4, mtp=True)
+    est = loaded_gib(realshape.realshape_config(4)) + sum(memory.mtp_weight_bytes(cfg)) / memory.GiB
+    head = cfg["vocab_size"] * cfg["hidden_size"] * 2 / memory.GiB
+    assert est == pytest.approx(took["mtp"], rel=0.01)
+    assert (est + head) / took["mtp"] - 1 > 0.04
+
+
 def test_real_shape_per_layer_and_embeddings_as_measured():
     four, twelve = (loaded_gib(realshape.realshape_config(n)) for n in (4, 12))
     per_layer = (twelve - four) / 8

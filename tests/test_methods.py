@@ -131,9 +131,9 @@ def test_memory_mtp_counts_the_mtp_layer_and_ngram_no_draft():
     est = {methods.of(p): e for p, e in zip(profiles.expand(prof), memory.estimates(
         prof, profiles.expand(prof), "H200"))}
     assert est["ngram"].draft == 0.0 and est["eagle3"].draft > 0
-    # one MXFP4 decoder layer (3.33 GiB measured) + e/h_proj + its head, at TP 8
+    # one MXFP4 decoder layer (3.33 GiB measured) + e/h_proj; the head is the target's
     sharded, kept = memory.mtp_weight_bytes(memory.PUBLISHED["deepseek-ai/DeepSeek-V4-Flash"])
-    assert (sharded + kept) / memory.GiB == pytest.approx(3.33 + 1.0, rel=0.1)
+    assert (sharded + kept) / memory.GiB == pytest.approx(3.33 + 0.03, rel=0.03)
     assert est["mtp"].draft == pytest.approx(sharded / 8 + kept)
     assert est["mtp"].kv > est["ngram"].kv  # the MTP layer's own sliding-window cache
 

@@ -194,6 +194,11 @@ def jit_cold_plan() -> list[Engine]:
     return [Engine(4, 3, batches=(1,), cold_jit=True), Engine(4, 3, batches=(1,))]
 
 
+def smoke_mtp_plan() -> list[Engine]:
+    """Plain and method `mtp` at k = 3, 4 layers, B = 1: the MTP load path and its counters."""
+    return [Engine(4, 0, batches=(1,)), Engine(4, 3, batches=(1,), method="mtp")]
+
+
 PLANS = {**{f"timing-{v}": (lambda v=v: timing_plan(v)) for v in DRAFT_VARIANTS},
          "timing-deep": deep_plan, "timing-deep-fit": deep_fit_plan,
          "timing-deep-fit-graphs": lambda: deep_fit_plan(draft_eager=False),
@@ -207,8 +212,9 @@ PLANS = {**{f"timing-{v}": (lambda v=v: timing_plan(v)) for v in DRAFT_VARIANTS}
                                            extra_batches=verify_batches((4,), range(1, 6))),
                                     Engine(32, 4, batches=(1, 4, 16))],
          # the MTP load path and its counters at 4 layers, minutes not a session
-         "smoke-mtp": lambda: [Engine(4, 0, batches=(1,)),
-                               Engine(4, 3, batches=(1,), method="mtp")],
+         "smoke-mtp": smoke_mtp_plan,
+         # both 4-layer checks on one machine (fits an H100: 2026-12-05, no H200 came)
+         "smoke-mtp-jit-cold": lambda: [*smoke_mtp_plan(), *jit_cold_plan()],
          "serve-deep": lambda: [Engine(32, 0, batches=(1, 16), serve=True),
                                 Engine(32, 3, batches=(1, 16), serve=True)],
          "serve-smoke": lambda: [Engine(4, 0, batches=(1, 4), serve=True),

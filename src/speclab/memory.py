@@ -264,8 +264,12 @@ def mtp_weight_bytes(cfg: dict) -> tuple[float, float]:
     """(bytes sharded over TP, bytes every rank keeps) of a DeepSeek-V4 checkpoint's MTP
     layers (`mtp.{i}`, vLLM 0.26 `models/deepseek_v4/nvidia/mtp.py`): each one decoder block
     at index num_hidden_layers + i (its compress ratio from compress_ratios, else 0), e_proj
-    and h_proj (block-FP8 H x H, replicated), hc_head and norms (kept) and its own head
-    (vocab x H bfloat16, sharded); the embedding is the target's (vLLM shares it)."""
+    and h_proj (block-FP8 H x H, replicated), hc_head and norms (kept). Its embedding and its
+    head (`shared_head.head`) are the target's: vLLM puts the target's in their place after
+    loading (0.26 `v1/spec_decode/llm_base_proposer.py` `_maybe_share_embeddings`,
+    `_maybe_share_lm_head`; 0.34 `v1/worker/gpu/spec_decode/eagle/utils.py`
+    `load_eagle_model`), so they hold no memory of their own (a 4-layer real-shape MTP engine,
+    H100 2026-12-05: "Model loading took" 18.80 GiB, 19.78 estimated with a head of its own)."""
     from speclab.fixtures.dsv4_target import TensorSpec, tensor_specs
 
     n, L, H = cfg.get("num_nextn_predict_layers") or 0, cfg["num_hidden_layers"], cfg["hidden_size"]
@@ -277,8 +281,7 @@ def mtp_weight_bytes(cfg: dict) -> tuple[float, float]:
              TensorSpec("enorm.weight", (H,), "bfloat16", ""),
              TensorSpec("hnorm.weight", (H,), "bfloat16", ""),
              TensorSpec("norm.weight", (H,), "bfloat16", ""),
-             TensorSpec("hc_head_fn", (hc, hc * H), "float32", ""),
-             TensorSpec("head.weight", (cfg["vocab_size"], H), "bfloat16", "")]
+             TensorSpec("hc_head_fn", (hc, hc * H), "float32", "")]
     sharded, kept = _spec_bytes([s for s in tensor_specs(full)
                                  if s.name.startswith(f"layers.{L}.")] + extra)
     return n * sharded, n * kept

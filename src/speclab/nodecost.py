@@ -155,7 +155,8 @@ def _divided_bytes(layers: int, dtype: str) -> tuple[float, dict[str, float]]:
              - memory.weight_bytes(realshape.realshape_config(4, dtype))[0] - routed)
     cfg = realshape.realshape_config(layers, dtype)
     head = cfg["vocab_size"] * cfg["hidden_size"] * BF16
-    mtp = memory.mtp_weight_bytes(realshape.realshape_config(layers, dtype, mtp=True))[0]
+    # the MTP block reads the target's head, which it shares (`memory.mtp_weight_bytes`)
+    mtp = memory.mtp_weight_bytes(realshape.realshape_config(layers, dtype, mtp=True))[0] + head
     return layers * layer + head, {"eagle3": memory.weight_bytes(realshape.draft_config(cfg))[0],
                                    "mtp": mtp - routed}
 

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from speclab import benchplans as P
-from speclab import cudagraphs, steptiming, store, vllm_plugins
+from speclab import cudagraphs, memory, steptiming, store, vllm_plugins
 from speclab import gpubench as G
-from speclab.fixtures import repeat_loader
+from speclab.fixtures import realshape, repeat_loader
 
 FAKES = Path(__file__).parent / "fakes"
 
@@ -160,6 +160,18 @@ def test_drive_starts_nothing_past_its_deadline(tmp_path, fake_pair):
     G.drive(state, time.time() + 60, "smoke", 2, paths=fake_pair)
     assert not (state / "results.jsonl").exists()
     assert "not starting" in (state / "driver.log").read_text()
+
+
+def test_the_h100_plan_fits_one_engine_at_a_time():
+    """`timing-h100`: 18 layers with the EAGLE3.1-shaped draft fit an H100 one engine at a
+    time; 24 layers (the control) would not."""
+    h100 = P.PLANS["timing-h100"]()  # one engine at a time within an H100's 79.6 GiB
+    weights = {L: sum(memory.weight_bytes(realshape.realshape_config(L))) / memory.GiB + 0.8
+               for L in (12, 18, 24)}  # + the EAGLE3.1-shaped draft
+    assert [len(g) for g in G.pack_groups(h100, weights, G.CAPACITY * 79.6, 2.5)] == [1] * 5
+    assert max(weights[e.layers] + e.kv_bytes / memory.GiB + 2.5 for e in h100) \
+        < G.CAPACITY * 79.6 < weights[24] + 4.5  # the control: 24 layers would not fit
+    assert h100[0].extra_batches == (2, 3, 4, 32, 48, 64) and h100[-1].layers == 12
 
 
 def test_groups_pack_by_memory_and_layer_count():

@@ -188,6 +188,17 @@ def next_plan(layers: int = 32) -> list[Engine]:
             Engine(layers, 4, batches=(1, 4, 16))]
 
 
+def h100_plan(deep: int = 18, shallow: int = 12) -> list[Engine]:
+    """What one H100 (78 GiB) holds of the timing, for a session whose H200 does not come:
+    plain at `deep` layers at B = 1, 16 and every verify size of k = 1..3 there, k = 3, 2, 1
+    (the best k at 32 layers on the H200 first), then plain at `shallow` layers, the
+    layer-count fit the deadline may cut. 18 layers with the draft are 63 GiB of weights,
+    67 with KV and `gpubench`'s per-engine overhead, of the H100's 79.6 GiB."""
+    plain = Engine(deep, 0, batches=(1, 16), extra_batches=verify_batches((1, 16), (1, 2, 3)))
+    return [plain, *(Engine(deep, k, batches=(1, 16)) for k in (3, 2, 1)),
+            replace(plain, layers=shallow)]
+
+
 def jit_cold_plan() -> list[Engine]:
     """What the carried JIT caches save: k = 3 at 4 layers, B = 1, started with no cache (its
     own empty HOME) and then with the carried ones; compare `engine_init_s` and round 0."""
@@ -206,6 +217,7 @@ PLANS = {**{f"timing-{v}": (lambda v=v: timing_plan(v)) for v in DRAFT_VARIANTS}
          **{f"timing-deep-k{k}": (lambda k=k: [Engine(32, k, batches=(1, 16))])
             for k in range(1, 6)},
          "timing-deep-rest": deep_rest_plan, "jit-cold": jit_cold_plan,
+         "timing-h100": h100_plan,
          "timing-deep-mtp": mtp_plan, "timing-deep-next": next_plan,
          # the B = 4 loss of 2026-12-05: plain at every verify size of B = 4, k = 4 in full
          "timing-deep-b4": lambda: [Engine(32, 0, batches=(4,),

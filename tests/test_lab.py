@@ -78,9 +78,10 @@ def test_run_folders_and_jit_cache_carry_the_release(tmp_path, monkeypatch):
 
 
 # jobs and fixtures of studies added after the capture (src/speclab/studies/50-mtp.yaml,
-# 60-ray-realshape.yaml)
+# 60-ray-realshape.yaml, 70-realshape-cost.yaml)
 LATER_JOBS = ("mtp", "mtp-026", "realshape-local-k3-026", "ray-realshape-k3-026",
-              "realshape-local-k0-026", "ray-realshape-k0-026")
+              "realshape-local-k0-026", "ray-realshape-k0-026", "cost-realshape",
+              "cost-realshape-026")
 LATER_FIXTURES = ("dial-dsv4-mtp", "dial-dsv4-mtp-eagle3")
 CHANGED = ("parity-",)  # jobs changed since the capture (tests/test_studies.py holds them)
 
@@ -107,12 +108,12 @@ def test_list_prints_the_plan_of_a_release_and_runs_nothing(lab, monkeypatch, ca
     monkeypatch.setattr(lab.subprocess, "Popen", lambda *a, **k: pytest.fail("a job ran"))
     assert lab.main() == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[0].startswith("stamp 20990101-vllm026;") and out[-1] == "24 jobs for vLLM 0.26"
+    assert out[0].startswith("stamp 20990101-vllm026;") and out[-1] == "25 jobs for vLLM 0.26"
     assert out[1].split()[:3] == ["rig-026", "vLLM", "0.26"]
     assert "h200-dsv4-rig-20990101-vllm026" in out[1]
     monkeypatch.setattr(sys, "argv", ["lab.py", "--list"])
     lab.main()
-    assert capsys.readouterr().out.splitlines()[-1] == "58 jobs"
+    assert capsys.readouterr().out.splitlines()[-1] == "60 jobs"
 
 
 def test_every_job_has_a_release_a_unique_name_and_known_after_jobs(tmp_path, monkeypatch):

@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 BEFORE = json.loads((ROOT / "tests/data/lab_plan.json").read_text())
 # studies added after the move (their jobs come after the captured ones), and studies whose
 # jobs changed since (left out on both sides; test_parity_jobs_cover_the_profile holds them)
-LATER = ("mtp", "ray-realshape")
+LATER = ("mtp", "ray-realshape", "realshape-cost")
 CHANGED = ("parity",)
 LATER_FIXTURES = ("dial-dsv4-mtp", "dial-dsv4-mtp-eagle3")
 PY = "/opt/torch/.venv/bin/python3"  # the device's interpreter (the capture wrote {python})
@@ -80,16 +80,20 @@ def test_the_stamp_reaches_every_run_folder_and_path():
 
 def test_every_profile_and_script_a_job_names_exists():
     plan = studies.plan("x", "python")
-    named = set()
+    named, targets = set(), set()
     for j in plan.jobs:
         words = shlex.split(j.cmd[2]) if j.cmd[:2] == ["bash", "-c"] else j.cmd
         named |= {b for a, b in itertools.pairwise(words) if a == "--profile"}
+        targets |= {b for a, b in itertools.pairwise(words) if a == "--target"}
         for w in words:
             if w.endswith(".py"):
                 assert (ROOT / w).is_file(), (j.name, w)
     assert len(named) == 8
     for name in named:
         profiles.load(name)
+    from speclab import fixtures
+
+    assert "realshape-dsv4" in targets and targets <= set(fixtures.FIXTURES)
 
 
 def test_study_files_live_in_the_package():
@@ -97,7 +101,7 @@ def test_study_files_live_in_the_package():
     assert studies.STUDY_DIR.parent == Path(studies.__file__).parent
     assert [s.name for s in studies.load_studies()] == ["dsv4-overlay", "layer-rig",
                                                         "convention", "parity", "mtp",
-                                                        "ray-realshape"]
+                                                        "ray-realshape", "realshape-cost"]
 
 
 def _study(tmp_path, text: str):

@@ -60,6 +60,7 @@ def measure(a: argparse.Namespace) -> dict:
     from speclab.fixtures import dsv4_rigs
 
     target = fixtures.build(a.target)
+    torch.cuda.empty_cache()  # a real-shape build runs on the GPU in this process
     vocab = json.loads((Path(target) / "config.json").read_text())["vocab_size"]
     args = engine.gpu_share(dict(
         model=str(target), kv_cache_dtype="fp8", enforce_eager=True, skip_tokenizer_init=True,

@@ -166,8 +166,9 @@ def test_the_h100_plan_fits_one_engine_at_a_time():
     """`timing-h100`: 18 layers with the EAGLE3.1-shaped draft fit an H100 one engine at a
     time; 24 layers (the control) would not."""
     h100 = P.PLANS["timing-h100"]()  # one engine at a time within an H100's 79.6 GiB
-    weights = {L: sum(memory.weight_bytes(realshape.realshape_config(L))) / memory.GiB + 0.8
-               for L in (12, 18, 24)}  # + the EAGLE3.1-shaped draft
+    gib = lambda cfg: sum(memory.weight_bytes(cfg)) / memory.GiB
+    weights = {L: gib(cfg := realshape.realshape_config(L)) + gib(realshape.draft_config(cfg))
+               for L in (12, 18, 24)}  # target + the EAGLE3.1-shaped draft
     assert [len(g) for g in G.pack_groups(h100, weights, G.CAPACITY * 79.6, 2.5)] == [1] * 5
     assert max(weights[e.layers] + e.kv_bytes / memory.GiB + 2.5 for e in h100) \
         < G.CAPACITY * 79.6 < weights[24] + 4.5  # the control: 24 layers would not fit

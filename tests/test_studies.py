@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from speclab import profiles, prompts, studies
+from speclab import fixtures, profiles, prompts, studies
 from speclab.fixtures import dsv4_layer_rig as LR
 from speclab.fixtures import dsv4_rigs as RG
 from speclab.fixtures import realshape as R
@@ -91,8 +91,6 @@ def test_every_profile_and_script_a_job_names_exists():
     assert len(named) == 8
     for name in named:
         profiles.load(name)
-    from speclab import fixtures
-
     assert "realshape-dsv4" in targets and targets <= set(fixtures.FIXTURES)
 
 

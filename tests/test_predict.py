@@ -466,3 +466,108 @@ def test_each_method_is_predicted_at_its_own_acceptance():
     assert al[""] == pytest.approx(2.0) and al["mtp"] == pytest.approx(2.2)
     one = predict.predict(costs, drafts, (0.6, 0.4, 0.3), ks=[2], batches=[1])
     assert len(one) == 2 and one.al.tolist() == pytest.approx([2.0, 2.0])
+
+
+def write_run(folder, res, gpu="NVIDIA H200", vllm="0.26.0"):
+    """A gpubench run folder: its passes and the `env.json` `gpu_env.py report` writes."""
+    import json
+
+    folder.mkdir(parents=True)
+    res.to_json(folder / "results.jsonl", orient="records", lines=True)
+    (folder / "env.json").write_text(json.dumps({
+        "date": "2026-12-05 12:18:56 UTC", "nvidia_smi": [f"{gpu}, 143771 MiB, 580.159.04"],
+        "versions": {"vllm": vllm, "torch": "2.11.0"}}))
+    return folder
+
+
+def test_runs_pool_with_each_speedup_paired_inside_its_run(tmp_path):
+    """Two runs of one GPU and vLLM, the second on a machine 20% slower throughout: pooled,
+    every point has both runs' rounds and each speedup pairs with its own run's plain passes,
+    so it is the single runs' speedup; `plain_by_run` shows the 20% and says the intervals do
+    not overlap. The control: the same passes without their run's name lose the first run's
+    rounds (one engine name, round and B) and pair across machines."""
+    a = rows(rounds=3, seed=0)
+    b = rows(rounds=3, seed=1)
+    b["t_full_s"] = 0.01 + 1.2 * (b.t_full_s - 0.01)
+    runs = [write_run(tmp_path / "a", a), write_run(tmp_path / "b", b)]
+    pooled = predict.load(runs)
+    assert set(pooled.run) == {"a", "b"}
+    c = predict.step_costs(pooled).set_index(["k", "B"])
+    one = predict.step_costs(predict.load(runs[0])).set_index(["k", "B"])
+    assert (c.rounds == 6).all() and (one.rounds == 3).all()
+    assert c.speedup[3, 4] == pytest.approx(one.speedup[3, 4], rel=0.02)
+    assert c.speedup_hi[3, 4] - c.speedup_lo[3, 4] < 0.1 * c.speedup[3, 4]
+    same = predict.plain_by_run(pooled)
+    assert same.spread.min() == pytest.approx(0.2, abs=0.02) and not same.overlap.any()
+    alike = predict.plain_by_run(predict.load([runs[0], write_run(tmp_path / "c",
+                                                                  rows(rounds=3, seed=2))]))
+    assert same.B.nunique() == alike.B.nunique() and alike.spread.max() < 0.02
+    blind = predict.step_costs(pooled.drop(columns="run")).set_index(["k", "B"])
+    assert (blind.rounds == 3).all()
+
+
+def test_runs_of_other_gpus_or_releases_do_not_pool(tmp_path):
+    """Pooling needs one GPU model and one vLLM release, each run's env.json saying so,
+    distinct folder names, and an output folder of its own; one run needs none of that."""
+    res = rows(rounds=2)
+    h200 = write_run(tmp_path / "h200", res)
+    for name, kw, msg in (("h100", {"gpu": "NVIDIA H100 80GB HBM3"}, "one gpu"),
+                          ("v034", {"vllm": "0.34.0"}, "one vllm")):
+        with pytest.raises(ValueError, match=msg):
+            predict.load([h200, write_run(tmp_path / name, res, **kw)])
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    res.to_json(bare / "results.jsonl", orient="records", lines=True)
+    with pytest.raises(ValueError, match="env.json"):
+        predict.load([h200, bare])
+    with pytest.raises(ValueError, match="distinct folder names"):
+        predict.load([h200, write_run(tmp_path / "x" / "h200", res)])
+    assert len(predict.load(bare)) == len(res)  # one run: no provenance needed
+    twin = write_run(tmp_path / "twin", res)
+    with pytest.raises(ValueError, match="--out"):
+        predictreport.report([h200, twin])
+    md = predictreport.report([h200, twin], out_dir=tmp_path / "pooled").read_text()
+    assert md.startswith("# Speed at DeepSeek-V4-Flash's real shapes: pooled")
+    assert "## Runs pooled" in md and "largest spread 0.0%" in md
+
+
+def test_the_committed_h200_runs_pool_and_the_mtp_head_is_predicted():
+    """The three committed 32-layer H200 runs (2026-12-04 and 05, vLLM 0.26.0) pool: their
+    plain steps agree within 5% at every batch size two of them measured; DeepSeek-V4's own
+    MTP head (2026-12-05, every draft accepted) gives k = 3 over 2x at B = 1, and the cost
+    model predicts its four points within 5%; at 43 layers both methods are predicted, each
+    at its published acceptance."""
+    from pathlib import Path
+
+    runs = [Path(__file__).resolve().parents[1] / "data/runs" / n
+            for n in ("h200-realshape-20261204-vllm026-graphs",
+                      "h200-realshape-20261205-vllm026-deeprest",
+                      "h200-realshape-20261205-vllm026-next")]
+    res = predict.load(runs)
+    assert predict.plain_by_run(res).spread.max() < 0.05
+    c = predict.step_costs(res).set_index(["layers", "draft", "k", "B"])
+    assert c.speedup_lo[32, "mtp", 3, 1] > 2 and c.al[32, "mtp", 3, 1] == pytest.approx(4, abs=0.01)
+    v = predict.validate(res)
+    mtp = v[v.draft == "mtp"]
+    assert len(mtp) == 4 and mtp.error.abs().max() < 0.05
+    ex = predict.extrapolate(predict.step_costs(res), predict.draft_ms(res),
+                             {"eagle3": predict.PUBLISHED_EAGLE31, "mtp": predict.PUBLISHED_MTP})
+    p = ex["prediction"].dropna(subset=["pred_speedup"])
+    assert set(p.draft) == {"", "mtp"} and ex["layers_measured"] == [24, 32]
+
+
+def test_predict_cli_pools_runs_into_their_own_folder(tmp_path, capsys):
+    """`speclab predict A B --out DIR` writes the pooled report to DIR; without --out it
+    stops with the reason (exit 1), and a GPU mismatch is refused the same way."""
+    from speclab import cli
+
+    res = rows(rounds=2)
+    a, b = write_run(tmp_path / "a", res), write_run(tmp_path / "b", res)
+    assert cli.main(["predict", str(a), str(b)]) == 1
+    assert "--out" in capsys.readouterr().err
+    h100 = write_run(tmp_path / "h100", res, gpu="NVIDIA H100 80GB HBM3")
+    assert cli.main(["predict", str(a), str(h100), "--out", str(tmp_path / "p")]) == 1
+    assert "one gpu" in capsys.readouterr().err and not (tmp_path / "p").exists()
+    assert cli.main(["predict", str(a), str(b), "--out", str(tmp_path / "p"), "--gpus", "1"]) == 0
+    assert "## Runs pooled" in (tmp_path / "p" / "predict.md").read_text()
+    assert not (a / "predict.md").exists()

@@ -248,7 +248,7 @@ def cmd_predict(a) -> int:
     try:
         rates = profile("--acceptance", a.acceptance)
         mtp_rates = profile("--acceptance-mtp", a.acceptance_mtp)
-        path = predictreport.report(Path(a.run_dir), rates, a.layers,
+        path = predictreport.report([Path(r) for r in a.run_dir], rates, a.layers,
                                     Path(a.out) if a.out else None, a.gpus, mtp_rates)
     except (FileNotFoundError, ValueError) as e:
         print(f"speclab: error: {e}", file=sys.stderr)
@@ -401,7 +401,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("predict", help="speedup per k and batch size from measured step "
                        "costs (a gpubench run): measured, predicted, extrapolated")
-    p.add_argument("run_dir")
+    p.add_argument("run_dir", nargs="+", help="a gpubench run folder, or several of one GPU "
+                   "model and vLLM release to pool (then --out)")
     p.add_argument("--acceptance", default="0.617,0.433,0.294",
                    help="per-position unconditional acceptance (default: published EAGLE3.1)")
     p.add_argument("--acceptance-mtp", default="0.769,0.381",
@@ -411,7 +412,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpus", type=int, default=8,
                    help="GPUs of the TP + EP node the extrapolation is carried to (a bracket, "
                    "not a measurement; 1: none)")
-    p.add_argument("--out", help="output folder (default: the run folder)")
+    p.add_argument("--out", help="output folder (default: the run folder; several runs need one)")
     p.set_defaults(fn=cmd_predict)
 
     p = sub.add_parser("aux-report", help="render a folder of GPU aux checks as report.html")

@@ -109,27 +109,74 @@ def rates_for(rates, draft: str):
 
 
 # --------------------------------------------------------------------------- measurements
-def engines(run_dir: Path) -> list[dict]:
-    """Every engine record of a gpubench run (all calls: `engines.jsonl` in the folder or
-    below it), in order."""
+def run_dirs(runs) -> list[Path]:
+    """One run folder or several, as a list of paths."""
+    return [Path(runs)] if isinstance(runs, (str, Path)) else [Path(r) for r in runs]
+
+
+def provenance(run_dir: Path) -> dict:
+    """What a gpubench run ran on, from its `env.json`: GPU model, driver, vLLM and torch
+    releases, date (empty where the folder has none)."""
+    import json
+
+    path = Path(run_dir) / "env.json"
+    if not path.exists():
+        return {}
+    env = json.loads(path.read_text())
+    gpu, _, driver = (env.get("nvidia_smi") or [",,"])[0].split(", ")
+    return {"run": Path(run_dir).name, "gpu": gpu, "driver": driver,
+            "vllm": env.get("versions", {}).get("vllm"),
+            "torch": env.get("versions", {}).get("torch"), "date": env.get("date")}
+
+
+def check_poolable(runs) -> list[dict]:
+    """The provenance of each run (`provenance`) when their step costs may be pooled: one
+    GPU model and one vLLM release, each run's `env.json` saying so. Raises ValueError
+    otherwise, or when two folders share a name (a pass is keyed by its run's name)."""
+    dirs = run_dirs(runs)
+    names = [d.name for d in dirs]
+    if len(set(names)) < len(names):
+        raise ValueError(f"runs to pool need distinct folder names: {names}")
+    prov = [provenance(d) for d in dirs]
+    if len(dirs) > 1:
+        missing = [d.name for d, p in zip(dirs, prov) if not p]
+        if missing:
+            raise ValueError(f"pooling runs needs each run's env.json (GPU, vLLM): none in "
+                             f"{missing}")
+        for key in ("gpu", "vllm"):
+            seen = sorted({p[key] for p in prov})
+            if len(seen) > 1:
+                raise ValueError(f"runs pool only on one {key}: "
+                                 + ", ".join(f"{p['run']} {p[key]}" for p in prov))
+    return prov
+
+
+def engines(runs) -> list[dict]:
+    """Every engine record of one gpubench run or several (all calls: `engines.jsonl` in each
+    folder or below it), in order, each with its run's folder name (`run`)."""
     from speclab.store import read_jsonl
 
-    return [e for path in sorted(Path(run_dir).rglob("engines.jsonl")) for e in read_jsonl(path)]
+    return [{**e, "run": d.name} for d in run_dirs(runs)
+            for path in sorted(d.rglob("engines.jsonl")) for e in read_jsonl(path)]
 
 
-def load(run_dir: Path) -> pd.DataFrame:
-    """Every pass of a gpubench run (all calls: `results.jsonl` in the folder or below it),
-    with its engine's CUDA-graph capture sizes as resolved (`engines`; column
-    `capture_sizes`, None where not recorded)."""
+def load(runs) -> pd.DataFrame:
+    """Every pass of one gpubench run or several (all calls: `results.jsonl` in each folder
+    or below it), with its run's folder name (`run`: passes pair, and are kept once, within
+    their run) and its engine's CUDA-graph capture sizes as resolved (`engines`; column
+    `capture_sizes`, None where not recorded). Several runs pool their step costs: they
+    must share a GPU model and vLLM release (`check_poolable`)."""
     from speclab.store import read_jsonl
 
-    rows = [r for path in sorted(Path(run_dir).rglob("results.jsonl")) for r in read_jsonl(path)]
+    check_poolable(runs)
+    rows = [{**r, "run": d.name} for d in run_dirs(runs)
+            for path in sorted(d.rglob("results.jsonl")) for r in read_jsonl(path)]
     if not rows:
-        raise FileNotFoundError(f"no results.jsonl under {run_dir}")
-    sizes = {e["engine"]: e["resolved"].get("cudagraph_capture_sizes") or None
-             for e in engines(run_dir) if "engine" in e and "resolved" in e}
+        raise FileNotFoundError(f"no results.jsonl under {', '.join(map(str, run_dirs(runs)))}")
+    sizes = {(e["run"], e["engine"]): e["resolved"].get("cudagraph_capture_sizes") or None
+             for e in engines(runs) if "engine" in e and "resolved" in e}
     df = pd.DataFrame(rows)
-    df["capture_sizes"] = df.engine.map(lambda e: sizes.get(e))
+    df["capture_sizes"] = [sizes.get(key) for key in zip(df.run, df.engine)]
     return df
 
 
@@ -200,11 +247,33 @@ def step_costs(results: pd.DataFrame, max_tokens: int = 128) -> pd.DataFrame:
         mine = df[(df.layers == r.layers) & (df.eager == r.eager) & (df.draft == r.draft)
                   & (df.k == r.k) & (df.B == r.B)]
         base = df[(df.layers == r.layers) & (df.eager == r.eager) & (df.k == 0) & (df.B == r.B)]
-        paired = mine.merge(base, on="round", suffixes=("", "_0"))
+        paired = mine.merge(base, on=[*_run_key(df), "round"], suffixes=("", "_0"))
         sp.append(analysis.ratio_ci(paired.tok_s, paired.tok_s_0) if len(paired) else
                   (np.nan,) * 3)
     out["speedup"], out["speedup_lo"], out["speedup_hi"] = zip(*sp)
     return out
+
+
+def plain_by_run(results: pd.DataFrame, max_tokens: int = 128) -> pd.DataFrame:
+    """The plain step of each (layers, eager, B) that two or more pooled runs measured, per
+    run (mean and 95% interval over its rounds), with `spread` (largest / smallest mean - 1)
+    and `overlap` (every run's interval overlaps every other's): whether pooling them is
+    pooling one quantity."""
+    df = passes(results, max_tokens)
+    df = df[df.k == 0]
+    rows = []
+    for (layers, eager, B), g in df.groupby(["layers", "eager", "B"]):
+        if g.run.nunique() < 2:
+            continue
+        per = [(run, *analysis.mean_ci(h.step_ms), len(h)) for run, h in g.groupby("run")]
+        means = [m for _, m, _, _, _ in per]
+        rows += [{"layers": layers, "eager": eager, "B": B, "run": run, "step_ms": m,
+                  "step_lo": lo, "step_hi": hi, "rounds": n,
+                  "spread": max(means) / min(means) - 1,
+                  "overlap": max(lo for _, _, lo, _, _ in per) <= min(hi for *_, hi, _ in per)}
+                 for run, m, lo, hi, n in per]
+    return pd.DataFrame(rows, columns=["layers", "eager", "B", "run", "step_ms", "step_lo",
+                                       "step_hi", "rounds", "spread", "overlap"])
 
 
 def _step_calls(r, op: str) -> list[dict]:
@@ -228,9 +297,14 @@ def _median(calls: list[dict], key: str) -> float:
 
 
 def _once(records: pd.DataFrame) -> pd.DataFrame:
-    """Each pass once: the last record of an engine, round and batch size (a driver resumed
-    on another machine carries the earlier records in its own results)."""
-    return records.drop_duplicates(["engine", "round", "B"], keep="last")
+    """Each pass once: the last record of a run's engine, round and batch size (a driver
+    resumed on another machine carries the earlier records in its own results)."""
+    return records.drop_duplicates([*_run_key(records), "engine", "round", "B"], keep="last")
+
+
+def _run_key(df: pd.DataFrame) -> list[str]:
+    """["run"] where the records name their run (`load`), else []."""
+    return ["run"] if "run" in df else []
 
 
 def _splits(results: pd.DataFrame) -> pd.DataFrame:
@@ -248,8 +322,11 @@ def draft_ms(results: pd.DataFrame) -> pd.DataFrame:
                          "draft": draft_setting(r.engine, r.k), "k": r.k, "B": r.B,
                          "draft_ms": _median(calls, "ms"),
                          "draft_host_ms": _median(calls, "host_ms"), "draft_calls": len(calls)})
-    return pd.DataFrame(rows, columns=[*CONFIG, "k", "B", "draft_ms", "draft_host_ms",
-                                       "draft_calls"])
+    cols = [*CONFIG, "k", "B", "draft_ms", "draft_host_ms", "draft_calls"]
+    out = pd.DataFrame(rows, columns=cols)  # several runs' split passes of one point: the mean
+    return out.groupby([*CONFIG, "k", "B"], as_index=False).agg(
+        draft_ms=("draft_ms", "mean"), draft_host_ms=("draft_host_ms", "mean"),
+        draft_calls=("draft_calls", "sum"))[cols]
 
 
 def step_anatomy(results: pd.DataFrame, max_tokens: int = 128) -> pd.DataFrame:
@@ -538,10 +615,10 @@ def extrapolate(costs: pd.DataFrame, drafts: pd.DataFrame, rates, layers: int =
             "drafts_from_layers": int(deepest), "plain": pd.DataFrame(synth), "drafts": d}
 
 
-def memory_check(run_dir: Path) -> pd.DataFrame:
-    """Per engine of a gpubench run: `speclab.memory`'s weight estimate (target, plus the
-    draft, or the MTP module, for k > 0) at the engine's max_num_batched_tokens beside
-    vLLM's "Model loading took ... GiB", and the error."""
+def memory_check(runs) -> pd.DataFrame:
+    """Per engine of one gpubench run or several (`run`, `engine`): `speclab.memory`'s
+    weight estimate (target, plus the draft, or the MTP module, for k > 0) at the engine's
+    max_num_batched_tokens beside vLLM's "Model loading took ... GiB", and the error."""
     import re
 
     from speclab import memory
@@ -549,7 +626,7 @@ def memory_check(run_dir: Path) -> pd.DataFrame:
     from speclab.gpubench import MAX_BATCHED
 
     rows = []
-    for e in engines(run_dir):
+    for e in engines(runs):
         took = [float(m.group(1)) for f in e.get("log_facts", [])
                 if (m := re.search(r"Model loading took ([\d.]+) GiB", f))]
         if not took:
@@ -564,6 +641,7 @@ def memory_check(run_dir: Path) -> pd.DataFrame:
                 e["layers"], e.get("expert_dtype", "fp4"), mtp=True)))
         elif e["k"]:
             est += sum(memory.weight_bytes(realshape.draft_config(cfg)))
-        rows.append({"engine": e["engine"], "estimate_gib": est / 2 ** 30,
+        rows.append({"run": e["run"], "engine": e["engine"], "estimate_gib": est / 2 ** 30,
                      "vllm_gib": took[-1], "error": est / 2 ** 30 / took[-1] - 1})
-    return pd.DataFrame(rows).drop_duplicates("engine", keep="last")
+    cols = ["run", "engine", "estimate_gib", "vllm_gib", "error"]
+    return pd.DataFrame(rows, columns=cols).drop_duplicates(["run", "engine"], keep="last")

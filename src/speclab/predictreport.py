@@ -40,14 +40,16 @@ def _md(df: pd.DataFrame, cols: list[str]) -> str:
     return "\n".join([" | ".join(cols), " | ".join("---" for _ in cols), *rows])
 
 
-def report(run_dir: Path, rates=predict.PUBLISHED_EAGLE31,
+def report(runs, rates=predict.PUBLISHED_EAGLE31,
            layers: int = predict.PRODUCTION_LAYERS, out_dir: Path | None = None,
            gpus: int = 8, mtp_rates=predict.PUBLISHED_MTP) -> Path:
-    """`predict.md` and `predict.html` (+ `speedup_vs_k` figure) for a gpubench run folder:
-    measured speedup vs k per batch size with CIs, predicted beside measured with the largest
-    error, the best k, the `layers`-layer prediction at acceptance `rates` (MTP engines at
-    `mtp_rates`) with its fit, and (`gpus` > 1) what a TP `gpus` + EP node changes to it.
-    Raises ValueError when the run has no timed round or no all-reduce curve for `gpus`."""
+    """`predict.md` and `predict.html` (+ `speedup_vs_k` figure) for a gpubench run folder,
+    or several pooled (`predict.load`: one GPU model and vLLM release; written to `out_dir`,
+    which several runs need): measured speedup vs k per batch size with CIs, predicted beside
+    measured with the largest error, the best k, the `layers`-layer prediction at acceptance
+    `rates` (MTP engines at `mtp_rates`) with its fit, and (`gpus` > 1) what a TP `gpus` + EP
+    node changes to it. Raises ValueError when the runs have no timed round, cannot pool,
+    or `gpus` has no all-reduce curve."""
     import html
 
     import mistune
@@ -57,16 +59,21 @@ def report(run_dir: Path, rates=predict.PUBLISHED_EAGLE31,
     if gpus != 1 and gpus not in nodecost.AR_US:
         raise ValueError(f"--gpus {gpus}: the node bracket has all-reduce curves for "
                          f"{sorted(nodecost.AR_US)} GPUs (1: no node section)")
-    run_dir = Path(run_dir)
+    dirs = predict.run_dirs(runs)
+    if len(dirs) > 1 and out_dir is None:
+        raise ValueError("several runs pooled need an output folder of their own (--out)")
+    run_dir = dirs[0]
     out_dir = Path(out_dir or run_dir)
-    res = predict.load(run_dir)
+    name = run_dir.name if len(dirs) == 1 else out_dir.name
+    res = predict.load(dirs)
     costs = predict.step_costs(res)
     if costs.empty:
         raise ValueError(f"{run_dir}: no timed pass (round >= 1) yet; round 0 is the warm-up")
     drafts = predict.draft_ms(res)
     val = predict.validate(res)
     spec = costs[costs.k > 0]
-    lines = [f"# Speed at DeepSeek-V4-Flash's real shapes: {run_dir.name}", "",
+    lines = [f"# Speed at DeepSeek-V4-Flash's real shapes: {name}", "",
+             *_pooled_section(dirs, res),
              ("Decode throughput (tokens after the first, per second) and speedup over plain "
              "decoding at the same batch size, mean and 95% interval over timed rounds "
              "(speedup: geometric mean of per-round ratios, round r paired with plain's round r)."), "",
@@ -125,7 +132,7 @@ def report(run_dir: Path, rates=predict.PUBLISHED_EAGLE31,
             n = range(int(c.index.min()), int(c.index.max()) + 1) if len(c) else []
             curves[key] = pd.Series([predict.plain_at(c, x) for x in n], index=list(n))
         plots.save(plots.verify_rows(by_rows, curves), out_dir / "figures", "verify_rows",
-                   caption=f"{run_dir.name}: verify forward vs the rows of its CUDA graph")
+                   caption=f"{name}: verify forward vs the rows of its CUDA graph")
     if len(spec):
         batches = sorted({*(int(b) for b in spec.B.unique()), *PADDING_BATCHES})
         rules = {"v026": ("hopper", "0.26"), "v034": ("hopper", "0.34"),
@@ -188,32 +195,57 @@ def report(run_dir: Path, rates=predict.PUBLISHED_EAGLE31,
                                          "pred_tok_s", "pred_speedup", "best"]),
                   ""]
         if gpus > 1:
-            lines += _node_section(ex, by_method, gpus, _expert_dtypes(run_dir), out_dir)
+            lines += _node_section(ex, by_method, gpus, _expert_dtypes(dirs), out_dir)
     except ValueError as e:
         lines += [f"## {layers} layers", "", f"Not extrapolated: {e}.", ""]
-    mem = predict.memory_check(run_dir)
+    mem = predict.memory_check(dirs)
     if len(mem):
         lines += ["## Weights: estimate vs vLLM", "",
                   ("`speclab.memory` from the config alone against each engine's `Model loading "
                    f"took`; largest |error| {mem.error.abs().max():.1%}."), "",
-                  _md(mem, ["engine", "estimate_gib", "vllm_gib", "error"]), ""]
+                  _md(mem, [*(["run"] if len(dirs) > 1 else []), "engine",
+                            "estimate_gib", "vllm_gib", "error"]), ""]
     md = "\n".join(lines)
     out_dir.mkdir(parents=True, exist_ok=True)
     store.atomic_write(out_dir / "predict.md", md)
     plots.save(plots.speedup_vs_k(spec, val), out_dir / "figures", "speedup_vs_k",
-               caption=f"{run_dir.name}: measured (95% CI) and predicted speedup")
+               caption=f"{name}: measured (95% CI) and predicted speedup")
     store.atomic_write(
         out_dir / "predict.html",
-        "<!doctype html><meta charset='utf-8'><title>" + html.escape(run_dir.name) +
+        "<!doctype html><meta charset='utf-8'><title>" + html.escape(name) +
         "</title><style>body{font-family:sans-serif;max-width:75em;margin:auto}table"
         "{border-collapse:collapse}td,th{border:1px solid #ccc;padding:2px 6px}</style>"
         + mistune.html(md) + "<img src='figures/speedup_vs_k.png' alt='speedup vs k'>")
     return out_dir / "predict.md"
 
 
-def _expert_dtypes(run_dir: Path) -> set[str]:
-    """The routed experts' dtypes the run's engines loaded (`predict.engines`)."""
-    return {e.get("expert_dtype", "fp4") for e in predict.engines(run_dir)}
+def _expert_dtypes(runs) -> set[str]:
+    """The routed experts' dtypes the runs' engines loaded (`predict.engines`)."""
+    return {e.get("expert_dtype", "fp4") for e in predict.engines(runs)}
+
+
+def _pooled_section(dirs: list[Path], res: pd.DataFrame) -> list[str]:
+    """For several runs: what each ran on (`predict.check_poolable`) and the plain steps two
+    or more of them measured, per run, with their spread (`predict.plain_by_run`)."""
+    if len(dirs) < 2:
+        return []
+    prov = pd.DataFrame(predict.check_poolable(dirs))
+    prov["passes"] = prov.run.map(res[res.op == "pass"].groupby("run").size()).fillna(0)
+    same = predict.plain_by_run(res)
+    worst = (f"largest spread {same.spread.max():.1%}"
+             + ("" if same.overlap.all() else
+                f"; the intervals do not overlap at B = "
+                f"{sorted(set(same[~same.overlap].B.astype(int)))}")) if len(same) else "none"
+    return ["## Runs pooled", "",
+            ("Step costs pooled from these runs (one GPU model and vLLM release, each run's "
+             "`env.json`): a speculative point's speedup pairs with the plain passes of its "
+             "own run, round by round; the plain curve and the drafter times take every "
+             "run's passes."), "",
+            _md(prov, ["run", "gpu", "driver", "vllm", "torch", "date", "passes"]), "",
+            (f"The plain steps two or more runs measured, per run ({worst}): pooling is "
+             "pooling one quantity where they agree."), "",
+            _md(same, ["layers", "eager", "B", "run", "step_ms", "step_lo", "step_hi",
+                       "rounds", "spread", "overlap"]), ""]
 
 
 def _node_section(ex: dict, rates, gpus: int, dtypes: set[str], out_dir: Path) -> list[str]:

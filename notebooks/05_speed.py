@@ -19,7 +19,7 @@
 # (a `speclab.gpubench` run), per k and batch size with 95% intervals, the cost model beside
 # every measured point, the prediction at the production depth for a draft card's acceptance,
 # and what a TP + EP node changes (a bracket computed on paper, not a measurement). By default
-# it reads the committed H200 run the README's answer comes from; nothing runs an engine.
+# it pools the committed H200 runs the README's answer comes from; nothing runs an engine.
 
 # %% tags=["parameters"]
 profile = "tiny-cpu"
@@ -28,7 +28,8 @@ run_dir = None
 figures_dir = None
 overrides = {}  # the suite's common parameters: this notebook reads run folders only
 execute = True
-# a gpubench run folder (None: the committed H200 run, where this checkout has it)
+# a gpubench run folder, or a list of several of one GPU and vLLM release to pool
+# (None: the committed H200 runs, where this checkout has them)
 speed_run = None
 # per-position unconditional acceptance: EAGLE-3 (published EAGLE3.1) and MTP engines
 acceptance = [0.617, 0.433, 0.294]
@@ -45,12 +46,13 @@ from speclab import notebook, predictreport
 from speclab.notebook import record
 
 run_dir, figures_dir = notebook.folders(profile, run_dir, figures_dir)
-source = Path(speed_run) if speed_run else predictreport.reference_run()
+source = ([Path(speed_run)] if isinstance(speed_run, str) else [Path(r) for r in speed_run]
+          if speed_run else predictreport.reference_runs())
 
 # %%
 if source is None:
     md = None
-    print("No gpubench run here: pass speed_run (this installation has no committed H200 run).")
+    print("No gpubench run here: pass speed_run (this installation has no committed H200 runs).")
 else:
     md = predictreport.report(source, acceptance, layers, Path(run_dir) / "speed", gpus,
                               acceptance_mtp)
@@ -61,6 +63,7 @@ else:
         display(Image(filename=str(png)))
 
 # %%
-record(speed={"run": source.name if source else None, "report": str(md) if md else None,
+record(speed={"runs": [r.name for r in source] if source else None,
+              "report": str(md) if md else None,
               "sections": [line[3:] for line in text.splitlines() if line.startswith("## ")]
               if md else []})

@@ -89,12 +89,12 @@ def test_report_and_figures(smoke_suite):
 
 
 def test_speed_notebook_reads_the_h200_run_into_the_report(smoke_suite):
-    """05_speed puts the committed H200 real-shape run's measured speedups, the cost model,
-    the 43-layer prediction and the TP 8 + EP bracket into the suite's report, with its
-    figures inline."""
+    """05_speed puts the committed H200 real-shape runs' measured speedups (pooled), the
+    cost model, the 43-layer prediction and the TP 8 + EP bracket into the suite's report,
+    with its figures inline."""
     root, html = smoke_suite
     r = records(root, "05_speed")["speed"]
-    assert r["run"] == predictreport.REFERENCE_RUN
+    assert r["runs"] == list(predictreport.REFERENCE_RUNS)
     assert Path(r["report"]).parent == root / "runs" / "smoke" / "speed"
     assert any(s.startswith("Predicted vs measured") for s in r["sections"])
     assert any(s.startswith("43 layers") for s in r["sections"])

@@ -303,8 +303,11 @@ def test_a_speed_run_without_results_is_refused_before_any_notebook(tmp_path):
         report.run_suite("tiny-cpu", run_id="x", parameters={"speed_run": str(tmp_path)},
                          runs_root=tmp_path / "runs", figures_root=tmp_path / "figures")
     assert not (tmp_path / "runs").exists()
-    ok = predictreport.reference_run()
+    ok = [str(r) for r in predictreport.reference_runs()]
+    with pytest.raises(profiles.ProfileError, match=f"speed_run {tmp_path}: no gpubench"):
+        report.run_suite("tiny-cpu", run_id="x", parameters={"speed_run": [*ok, str(tmp_path)]},
+                         runs_root=tmp_path / "runs", figures_root=tmp_path / "figures")
     with pytest.raises(profiles.ProfileError) as e:  # no checkpoints here: the machine check
-        report.run_suite("v4flash-8xh200", run_id="x", parameters={"speed_run": str(ok)},
+        report.run_suite("v4flash-8xh200", run_id="x", parameters={"speed_run": ok},
                          runs_root=tmp_path / "runs", figures_root=tmp_path / "figures")
     assert "speed_run" not in str(e.value)

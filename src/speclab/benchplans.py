@@ -58,9 +58,13 @@ class Engine:
 
     @property
     def kv_bytes(self) -> int:
-        """KV cache given to the engine: a 32-KV-head draft puts a 4 MiB page in every pool
-        block, and vLLM 0.26 then wanted 3.6 GiB for one 2048-token request (2026-12-03)."""
-        return 2 * KV_BYTES if self.k and self.draft_kv_group == 1 else KV_BYTES
+        """KV cache given to the engine: `KV_BYTES` for every 64 requests at 32 layers it
+        runs at once (64 ran in it on the H200; a real-shape request of ~1,100 tokens holds
+        0.5 MiB a layer, `memory.kv_request_bytes`), twice that with a 32-KV-head draft,
+        which puts a 4 MiB page in every pool block (vLLM 0.26 then wanted 3.6 GiB for one
+        2048-token request, 2026-12-03)."""
+        units = -(-self.max_num_seqs * self.layers // (64 * 32))
+        return units * (2 * KV_BYTES if self.k and self.draft_kv_group == 1 else KV_BYTES)
 
     @property
     def max_num_seqs(self) -> int:
@@ -188,6 +192,18 @@ def next_plan(layers: int = 32) -> list[Engine]:
             Engine(layers, 4, batches=(1, 4, 16))]
 
 
+def final_plan(layers: int = 32) -> list[Engine]:
+    """What issue 23's grid still lacks at 32 layers after 2026-12-05: EAGLE-3 k = 4 at
+    B = 1, 4, 16 with all its rounds and split passes, then speculation at B = 64 (k = 2, 1:
+    the deadline may cut them), beside one plain engine at B = 1, 4, 16, 64 and the rows of
+    every verify graph those run (B = 64 at k = 1, 2: 128 and 192 rows)."""
+    extra = {*verify_batches((1, 4, 16), (4,)), *verify_batches((64,), (1, 2))}
+    plain = Engine(layers, 0, batches=(1, 4, 16, 64),
+                   extra_batches=tuple(sorted(extra - {1, 4, 16, 64})))
+    return [plain, Engine(layers, 4, batches=(1, 4, 16)),
+            *(Engine(layers, k, batches=(64,)) for k in (2, 1))]
+
+
 def h100_plan(deep: int = 18, shallow: int = 12) -> list[Engine]:
     """What one H100 (78 GiB) holds of the timing, for a session whose H200 does not come:
     plain at `deep` layers at B = 1, 16 and every verify size of k = 1..3 there, k = 3, 2, 1
@@ -219,6 +235,7 @@ PLANS = {**{f"timing-{v}": (lambda v=v: timing_plan(v)) for v in DRAFT_VARIANTS}
          "timing-deep-rest": deep_rest_plan, "jit-cold": jit_cold_plan,
          "timing-h100": h100_plan,
          "timing-deep-mtp": mtp_plan, "timing-deep-next": next_plan,
+         "timing-deep-final": final_plan,
          # the B = 4 loss of 2026-12-05: plain at every verify size of B = 4, k = 4 in full
          "timing-deep-b4": lambda: [Engine(32, 0, batches=(4,),
                                            extra_batches=verify_batches((4,), range(1, 6))),

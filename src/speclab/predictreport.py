@@ -14,15 +14,21 @@ from speclab.predict import CONFIG, MOE
 
 PADDING_BATCHES = (*range(1, 9), 10, 12, 16, 20, 24, 32, 48, 64)  # the padding table's rows
 
-REFERENCE_RUN = "h200-realshape-20261204-vllm026-graphs"
-"""The H200 run the README's "how much faster?" answer comes from (32 real-shape layers, the
-drafter in its CUDA graphs)."""
+REFERENCE_RUNS = ("h200-realshape-20261204-vllm026-graphs",
+                  "h200-realshape-20261205-vllm026-deeprest",
+                  "h200-realshape-20261205-vllm026-next")
+"""The H200 runs the README's "how much faster?" answer pools (32 real-shape layers, vLLM
+0.26.0, target and drafter in CUDA graphs): EAGLE-3 at k = 1..5 with plain at 24 and 32
+layers, and DeepSeek-V4's own MTP head at k = 1 and 3."""
 
 
-def reference_run() -> Path | None:
-    """`REFERENCE_RUN` in this checkout's data/runs (None in an installation without it)."""
-    run = paths.CHECKOUT / "data" / "runs" / REFERENCE_RUN if paths.CHECKOUT else None
-    return run if run is not None and run.is_dir() else None
+def reference_runs() -> list[Path] | None:
+    """`REFERENCE_RUNS` in this checkout's data/runs (None in an installation without
+    them)."""
+    if paths.CHECKOUT is None:
+        return None
+    runs = [paths.CHECKOUT / "data" / "runs" / name for name in REFERENCE_RUNS]
+    return runs if all(r.is_dir() for r in runs) else None
 
 
 def _md(df: pd.DataFrame, cols: list[str]) -> str:

@@ -46,9 +46,10 @@ def run_suite(profile: str, *, run_id: str | None = None, notebooks=SUITE,
 
     prof = profiles.load(profile, (parameters or {}).get("overrides"))
     speed_run = (parameters or {}).get("speed_run")
-    if speed_run and not any(Path(speed_run).rglob("results.jsonl")):
-        raise profiles.ProfileError(f"speed_run {speed_run}: no gpubench run there (no "
-                                    "results.jsonl); 05_speed reads one")
+    for run in ([speed_run] if isinstance(speed_run, str) else speed_run or []):
+        if not any(Path(run).rglob("results.jsonl")):
+            raise profiles.ProfileError(f"speed_run {run}: no gpubench run there (no "
+                                        "results.jsonl); 05_speed reads one or several")
     executes = (parameters or {}).get("execute", True)
     problems = preflight.check_env(prof) if executes else []
     if problems:

@@ -88,3 +88,16 @@ def test_a_figure_saved_again_has_the_same_bytes(tmp_path):
     for out in ("a", "b"):
         plots.save(plots.per_position(df, "t"), tmp_path / out, "pp")
     assert (tmp_path / "a/pp.svg").read_bytes() == (tmp_path / "b/pp.svg").read_bytes()
+
+
+def test_speedup_vs_k_draws_only_configurations_with_a_plain_engine(capsys):
+    """A configuration without a plain engine beside it has no speedup: no empty panel for
+    it; with none left, no figure, and the reason printed."""
+    row = {"layers": 32, "eager": False, "draft": "", "B": 1, "k": 3, "speedup": 1.4,
+           "speedup_lo": 1.3, "speedup_hi": 1.5}
+    lone = {**row, "layers": 4, "speedup": float("nan"), "speedup_lo": float("nan"),
+            "speedup_hi": float("nan")}
+    fig = plots.speedup_vs_k(pd.DataFrame([row, lone]))
+    assert [ax.get_title() for ax in fig.axes] == ["32 layers, CUDA graphs"]
+    assert plots.speedup_vs_k(pd.DataFrame([lone])) is None
+    assert "no speculative point with a plain engine" in capsys.readouterr().out

@@ -376,11 +376,14 @@ def detection_power(pw: pd.DataFrame, near_tie: float, floor: float,
     return fig
 
 
-def speedup_vs_k(measured: pd.DataFrame, predicted: pd.DataFrame | None = None) -> plt.Figure:
-    """Speedup over plain decoding vs k, one panel per (layers, mode, draft setting), one line
-    per batch size: measured with 95% intervals, predicted (dashed) where given."""
+def speedup_vs_k(measured: pd.DataFrame, predicted: pd.DataFrame | None = None) -> plt.Figure | None:
+    """Speedup over plain decoding vs k, one panel per (layers, mode, draft setting) that has
+    a speedup (a plain engine beside it), one line per batch size: measured with 95%
+    intervals, predicted (dashed) where given."""
+    if "speedup" in measured:
+        measured = measured.dropna(subset=["speedup"])
     if measured.empty:
-        return _no_results("speedup vs k", "no speculative point")
+        return _no_results("speedup vs k", "no speculative point with a plain engine beside it")
     measured = measured.assign(draft=measured.get("draft", ""))
     panels = list(measured.groupby(["layers", "eager", "draft"]))
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.6), squeeze=False)
@@ -399,6 +402,7 @@ def speedup_vs_k(measured: pd.DataFrame, predicted: pd.DataFrame | None = None) 
         ax.set(title=f"{layers} layers, {'eager' if eager else 'CUDA graphs'}"
                + (f", draft {draft}" if draft else ""), xlabel="k",
                ylabel="speedup over plain")
+        ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
         ax.legend(fontsize=8)
     return fig
 

@@ -571,3 +571,34 @@ def test_predict_cli_pools_runs_into_their_own_folder(tmp_path, capsys):
     assert cli.main(["predict", str(a), str(b), "--out", str(tmp_path / "p"), "--gpus", "1"]) == 0
     assert "## Runs pooled" in (tmp_path / "p" / "predict.md").read_text()
     assert not (a / "predict.md").exists()
+
+
+def test_the_extrapolation_spread_follows_the_plain_steps_intervals():
+    """The 43-layer prediction redone over draws of the plain steps: the central prediction
+    lies inside its 95% range, each setting's best k shares sum to 1, a faster drafter wins
+    every draw at equal acceptance; widening the plain steps' intervals threefold (the control)
+    widens the range more than twofold."""
+    res = rows(layers=(4, 8), rounds=3)
+    slow = res[res.k > 0].assign(engine=lambda d: d.engine + "-graphs-mtp")
+    slow.loc[slow.op == "split", "calls"] = slow.loc[slow.op == "split", "calls"].map(
+        lambda cs: [{**c, "ms": 3 * c["ms"]} for c in cs])
+    both = pd.concat([res, slow], ignore_index=True)
+    costs, drafts = predict.step_costs(both), predict.draft_ms(both)
+    rates = {"eagle3": RATES, "mtp": RATES}
+    per_k, per_method = predict.extrapolation_spread(costs, drafts, rates, draws=60)
+    central = predict.extrapolate(costs, drafts, rates)["prediction"].merge(per_k)
+    assert len(central) and ((central.pred_lo <= central.pred_speedup)
+                             & (central.pred_speedup <= central.pred_hi)).all()
+    assert per_k.groupby(["draft", "B"]).p_best.sum().tolist() == pytest.approx(
+        [1.0] * per_k.groupby(["draft", "B"]).ngroups)
+    fast = per_method.set_index(["B", "draft"]).p_fastest
+    assert (fast.xs("", level="draft") == 1).all() and (fast.xs("mtp", level="draft") == 0).all()
+    wide = costs.copy()
+    plain = wide.k == 0
+    half = (wide.step_hi - wide.step_lo) / 2
+    wide.loc[plain, "step_lo"] -= 2 * half[plain]
+    wide.loc[plain, "step_hi"] += 2 * half[plain]
+    wide_k, _ = predict.extrapolation_spread(wide, drafts, rates, draws=60)
+    both = per_k.merge(wide_k, on=["draft", "B", "k"], suffixes=("", "_wide"))
+    assert len(both) >= len(per_k) // 2  # wider intervals leave fewer batch sizes resolved
+    assert ((both.pred_hi_wide - both.pred_lo_wide) > 2 * (both.pred_hi - both.pred_lo)).all()

@@ -192,15 +192,23 @@ def next_plan(layers: int = 32) -> list[Engine]:
             Engine(layers, 4, batches=(1, 4, 16))]
 
 
-def final_plan(layers: int = 32) -> list[Engine]:
-    """What issue 23's grid still lacks at 32 layers after 2026-12-05: EAGLE-3 k = 4 at
-    B = 1, 4, 16 with all its rounds and split passes, then speculation at B = 64 (k = 2, 1:
-    the deadline may cut them), beside one plain engine at B = 1, 4, 16, 64 and the rows of
-    every verify graph those run (B = 64 at k = 1, 2: 128 and 192 rows)."""
-    extra = {*verify_batches((1, 4, 16), (4,)), *verify_batches((64,), (1, 2))}
-    plain = Engine(layers, 0, batches=(1, 4, 16, 64),
-                   extra_batches=tuple(sorted(extra - {1, 4, 16, 64})))
+def final_plan(layers: int = 32, shallow: int = 24) -> list[Engine]:
+    """What issue 23's grid still lacks after 2026-12-05: EAGLE-3 k = 4 at B = 1, 4, 16 with
+    all its rounds and split passes, beside plain at B = 1, 4, 16 and the rows of its verify
+    graphs (5, 20, 80); then plain at `shallow` layers at every row count a B = 1 or 4
+    verify step runs below 16 (the 43-layer fit had only 1, 4, 16 and 64 there, and its
+    4-row point 3 rounds, so the B = 1 prediction spanned 1.36-1.81x)."""
+    plain = Engine(layers, 0, batches=(1, 4, 16), extra_batches=verify_batches((1, 4, 16), (4,)))
+    small = sorted({n for n in verify_batches((1, 4), range(1, 6)) if n < 16} | {1, 4, 16})
     return [plain, Engine(layers, 4, batches=(1, 4, 16)),
+            Engine(shallow, 0, batches=(1, 4, 16), extra_batches=tuple(
+                n for n in small if n not in (1, 4, 16)))]
+
+
+def b64_plan(layers: int = 32) -> list[Engine]:
+    """Speculation at B = 64 (k = 2, then 1) beside plain at 64 and the rows of those verify
+    graphs (128, 192: 6 GiB of KV for 192 requests, `Engine.kv_bytes`)."""
+    return [Engine(layers, 0, batches=(64,), extra_batches=verify_batches((64,), (1, 2))),
             *(Engine(layers, k, batches=(64,)) for k in (2, 1))]
 
 
@@ -235,7 +243,7 @@ PLANS = {**{f"timing-{v}": (lambda v=v: timing_plan(v)) for v in DRAFT_VARIANTS}
          "timing-deep-rest": deep_rest_plan, "jit-cold": jit_cold_plan,
          "timing-h100": h100_plan,
          "timing-deep-mtp": mtp_plan, "timing-deep-next": next_plan,
-         "timing-deep-final": final_plan,
+         "timing-deep-final": final_plan, "timing-deep-b64": b64_plan,
          # the B = 4 loss of 2026-12-05: plain at every verify size of B = 4, k = 4 in full
          "timing-deep-b4": lambda: [Engine(32, 0, batches=(4,),
                                            extra_batches=verify_batches((4,), range(1, 6))),

@@ -460,10 +460,9 @@ def drafter_at(d: pd.DataFrame, k: int, col: str) -> float:
     k / k0 (`drafter_scaled` says which k these are); NaN with none measured. On the H200
     (2026-12-04, k = 1, 3, 5 measured) the scaled k = 1 time gives k = 3's 10% high, k = 5's
     3% low; the line through k = 1 and 3 gives k = 5's within 1.4%."""
-    d = d.dropna(subset=[col]).sort_values("k")
-    if d.empty:
+    ks, ts = _measured(d, col)
+    if not len(ks):
         return float("nan")
-    ks, ts = d.k.to_numpy(float), d[col].to_numpy(float)
     if ks[0] <= k <= ks[-1]:
         return float(np.interp(k, ks, ts))
     if len(ks) == 1:
@@ -472,10 +471,18 @@ def drafter_at(d: pd.DataFrame, k: int, col: str) -> float:
     return float(ts[i[0]] + (k - ks[i[0]]) * (ts[i[1]] - ts[i[0]]) / (ks[i[1]] - ks[i[0]]))
 
 
+def _measured(d: pd.DataFrame, col: str) -> tuple[np.ndarray, np.ndarray]:
+    """The measured k (sorted) and their `col` values, rows without one left out."""
+    ks, ts = d.k.to_numpy(float), d[col].to_numpy(float)
+    keep = ~np.isnan(ts)
+    order = np.argsort(ks[keep], kind="stable")
+    return ks[keep][order], ts[keep][order]
+
+
 def drafter_scaled(d: pd.DataFrame, k: int) -> bool:
     """Whether `drafter_at` reads k outside the measured k (extrapolated, not measured)."""
-    d = d.dropna(subset=["draft_ms"])
-    return bool(len(d)) and not d.k.min() <= k <= d.k.max()
+    ks, _ = _measured(d, "draft_ms")
+    return bool(len(ks)) and not ks[0] <= k <= ks[-1]
 
 
 def predict(costs: pd.DataFrame, drafts: pd.DataFrame, rates, ks=range(1, 6),
@@ -613,6 +620,45 @@ def extrapolate(costs: pd.DataFrame, drafts: pd.DataFrame, rates, layers: int =
     pred = predict(pd.DataFrame(synth), d, rates, ks=ks, batches=spec_B)
     return {"fit": pd.DataFrame(fit), "prediction": pred, "layers_measured": Ls,
             "drafts_from_layers": int(deepest), "plain": pd.DataFrame(synth), "drafts": d}
+
+
+def extrapolation_spread(costs: pd.DataFrame, drafts: pd.DataFrame, rates, layers: int =
+                         PRODUCTION_LAYERS, eager: bool = False, ks=range(1, 6),
+                         draws: int = 200, seed: int = 0) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """How far the `extrapolate` prediction moves with the plain steps' timing noise: `draws`
+    times, every measured plain step is drawn from its t distribution (its rounds less one
+    degrees of freedom, its standard error as scale) and the layer fit and prediction redone.
+    The drafter times (medians of hundreds of calls) and the acceptance profile stay fixed, so
+    this is the timing's share of the uncertainty, not the acceptance's. Returns per (draft,
+    B, k) the 2.5 and 97.5 percentiles of the predicted speedup (`pred_lo`, `pred_hi`) and the
+    share of draws in which that k is its setting's best at B (`p_best`); and per (B, draft)
+    its best k's speedup (`best_speedup`, `best_lo`, `best_hi`) and the share of draws in
+    which that setting is the fastest at B (`p_fastest`: methods compared on the same draw)."""
+    from scipy import stats
+
+    g = np.random.default_rng(seed)
+    plain = costs[(costs.k == 0) & (costs.eager == eager)]
+    dof = (plain.rounds - 1).clip(lower=1).to_numpy()
+    se = ((plain.step_hi - plain.step_lo) / (2 * stats.t.ppf(0.975, dof))).fillna(0).to_numpy()
+    runs = []
+    for i in range(draws):
+        drawn = costs.copy()
+        drawn.loc[plain.index, "step_ms"] = plain.step_ms + g.standard_t(dof) * se
+        runs.append(extrapolate(drawn, drafts, rates, layers, eager, ks)["prediction"]
+                    .assign(draw=i))
+    every = pd.concat(runs, ignore_index=True).dropna(subset=["pred_speedup"])
+    keys = ["draft", "B", "k"]
+    per_k = every.groupby(keys).pred_speedup.quantile([0.025, 0.975]).unstack()
+    per_k.columns = ["pred_lo", "pred_hi"]
+    best = every.loc[every.groupby(["draw", "draft", "B"]).pred_speedup.idxmax()]
+    per_k["p_best"] = best.groupby(keys).size().reindex(per_k.index).fillna(0) / draws
+    fastest = best.loc[best.groupby(["draw", "B"]).pred_speedup.idxmax()]
+    per_method = best.groupby(["B", "draft"]).pred_speedup.agg(
+        best_speedup="median", best_lo=lambda x: x.quantile(0.025),
+        best_hi=lambda x: x.quantile(0.975))
+    per_method["p_fastest"] = (fastest.groupby(["B", "draft"]).size()
+                               .reindex(per_method.index).fillna(0) / draws)
+    return per_k.reset_index(), per_method.reset_index()
 
 
 def memory_check(runs) -> pd.DataFrame:

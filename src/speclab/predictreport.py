@@ -199,7 +199,7 @@ def report(runs, rates=predict.PUBLISHED_EAGLE31,
                   _md(ex["prediction"], ["draft", "B", "k", "al", "verify_rows", "verify_ms",
                                          "draft_ms", "drafter_scaled", "pred_step_ms",
                                          "pred_tok_s", "pred_speedup", "best"]),
-                  ""]
+                  "", *_spread_lines(costs, drafts, by_method, layers)]
         if gpus > 1:
             lines += _node_section(ex, by_method, gpus, _expert_dtypes(dirs), out_dir)
     except ValueError as e:
@@ -223,6 +223,26 @@ def report(runs, rates=predict.PUBLISHED_EAGLE31,
         "{border-collapse:collapse}td,th{border:1px solid #ccc;padding:2px 6px}</style>"
         + mistune.html(md) + "<img src='figures/speedup_vs_k.png' alt='speedup vs k'>")
     return out_dir / "predict.md"
+
+
+SPREAD_DRAWS = 200
+
+
+def _spread_lines(costs, drafts, rates, layers: int) -> list[str]:
+    """The extrapolation's spread from the plain steps' timing noise
+    (`predict.extrapolation_spread`) as report lines."""
+    per_k, per_method = predict.extrapolation_spread(costs, drafts, rates, layers,
+                                                     draws=SPREAD_DRAWS)
+    return [(f"How far timing noise moves it ({SPREAD_DRAWS} draws of every plain step from "
+             "its interval, the fit and prediction redone; drafter times and acceptance held "
+             "fixed, so the acceptance's own uncertainty comes on top): `pred_lo`, `pred_hi` "
+             "bound 95% of the draws, `p_best` is the share in which k is its setting's best."),
+            "", _md(per_k, ["draft", "B", "k", "pred_lo", "pred_hi", "p_best"]), "",
+            ("Per batch size, each setting's best k on the same draws: `p_fastest` is the share "
+             "of draws in which it beats every other setting (methods compared at their "
+             "acceptance profiles above)."), "",
+            _md(per_method, ["B", "draft", "best_speedup", "best_lo", "best_hi", "p_fastest"]),
+            ""]
 
 
 def _expert_dtypes(runs) -> set[str]:

@@ -523,6 +523,9 @@ def test_runs_of_other_gpus_or_releases_do_not_pool(tmp_path):
     with pytest.raises(ValueError, match="distinct folder names"):
         predict.load([h200, write_run(tmp_path / "x" / "h200", res)])
     assert len(predict.load(bare)) == len(res)  # one run: no provenance needed
+    (bare / "env.json").write_text('{"versions": {"vllm": "0.26.0"}}')  # no nvidia-smi line
+    with pytest.raises(ValueError, match="one gpu: h200 NVIDIA H200, bare None"):
+        predict.load([h200, bare])
     twin = write_run(tmp_path / "twin", res)
     with pytest.raises(ValueError, match="--out"):
         predictreport.report([h200, twin])

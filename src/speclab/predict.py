@@ -123,8 +123,9 @@ def provenance(run_dir: Path) -> dict:
     if not path.exists():
         return {}
     env = json.loads(path.read_text())
-    gpu, _, driver = (env.get("nvidia_smi") or [",,"])[0].split(", ")
-    return {"run": Path(run_dir).name, "gpu": gpu, "driver": driver,
+    smi = [x.strip() for x in (env.get("nvidia_smi") or [""])[0].split(",")]  # name, MiB, driver
+    return {"run": Path(run_dir).name, "gpu": smi[0] or None,
+            "driver": smi[2] if len(smi) > 2 else None,
             "vllm": env.get("versions", {}).get("vllm"),
             "torch": env.get("versions", {}).get("torch"), "date": env.get("date")}
 
@@ -144,8 +145,7 @@ def check_poolable(runs) -> list[dict]:
             raise ValueError(f"pooling runs needs each run's env.json (GPU, vLLM): none in "
                              f"{missing}")
         for key in ("gpu", "vllm"):
-            seen = sorted({p[key] for p in prov})
-            if len(seen) > 1:
+            if len({p[key] for p in prov}) > 1:
                 raise ValueError(f"runs pool only on one {key}: "
                                  + ", ".join(f"{p['run']} {p[key]}" for p in prov))
     return prov

@@ -294,9 +294,10 @@ def test_speed_cis_of_the_timing_rounds_reach_the_summary_and_the_findings(tmp_p
 
 
 def test_a_speed_run_without_results_is_refused_before_any_notebook(tmp_path):
-    """`-p speed_run=DIR` names a gpubench run for 05_speed: a folder without one stops the
-    suite before the sweep spends minutes (the control: the committed H200 run passes the
-    check; the production profile then stops at the machine check, not at it)."""
+    """`-p speed_run=DIR` (or a list) names gpubench runs for 05_speed: a folder without one,
+    or runs of two GPU models, stop the suite before the sweep spends minutes (the control:
+    the committed H200 runs pass the check; the production profile then stops at the machine
+    check, not at it)."""
     from speclab import predictreport, profiles
 
     with pytest.raises(profiles.ProfileError, match="speed_run .*no gpubench run"):
@@ -307,6 +308,11 @@ def test_a_speed_run_without_results_is_refused_before_any_notebook(tmp_path):
     with pytest.raises(profiles.ProfileError, match=f"speed_run {tmp_path}: no gpubench"):
         report.run_suite("tiny-cpu", run_id="x", parameters={"speed_run": [*ok, str(tmp_path)]},
                          runs_root=tmp_path / "runs", figures_root=tmp_path / "figures")
+    h100 = RUNS / "h100-realshape-20261205-vllm026-smokemtp"  # an H100 run does not pool
+    with pytest.raises(profiles.ProfileError, match="speed_run: runs pool only on one gpu"):
+        report.run_suite("tiny-cpu", run_id="x", parameters={"speed_run": [*ok, str(h100)]},
+                         runs_root=tmp_path / "runs", figures_root=tmp_path / "figures")
+    assert not (tmp_path / "runs").exists()
     with pytest.raises(profiles.ProfileError) as e:  # no checkpoints here: the machine check
         report.run_suite("v4flash-8xh200", run_id="x", parameters={"speed_run": ok},
                          runs_root=tmp_path / "runs", figures_root=tmp_path / "figures")

@@ -42,12 +42,11 @@ from pathlib import Path
 
 from IPython.display import Image, Markdown, display
 
-from speclab import notebook, predictreport
+from speclab import notebook, predict, predictreport
 from speclab.notebook import record
 
 run_dir, figures_dir = notebook.folders(profile, run_dir, figures_dir)
-source = ([Path(speed_run)] if isinstance(speed_run, str) else [Path(r) for r in speed_run]
-          if speed_run else predictreport.reference_runs())
+source = predict.run_dirs(speed_run) if speed_run else predictreport.reference_runs()
 
 # %%
 if source is None:

@@ -199,10 +199,9 @@ def final_plan(layers: int = 32, shallow: int = 24) -> list[Engine]:
     verify step runs below 16 (the 43-layer fit had only 1, 4, 16 and 64 there, and its
     4-row point 3 rounds, so the B = 1 prediction spanned 1.36-1.81x)."""
     plain = Engine(layers, 0, batches=(1, 4, 16), extra_batches=verify_batches((1, 4, 16), (4,)))
-    small = sorted({n for n in verify_batches((1, 4), range(1, 6)) if n < 16} | {1, 4, 16})
+    small = tuple(n for n in verify_batches((1, 4), range(1, 6)) if n < 16)
     return [plain, Engine(layers, 4, batches=(1, 4, 16)),
-            Engine(shallow, 0, batches=(1, 4, 16), extra_batches=tuple(
-                n for n in small if n not in (1, 4, 16)))]
+            Engine(shallow, 0, batches=(1, 4, 16), extra_batches=small)]
 
 
 def b64_plan(layers: int = 32) -> list[Engine]:

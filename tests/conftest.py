@@ -1,4 +1,5 @@
 import os
+import shutil
 import uuid
 from pathlib import Path
 
@@ -11,6 +12,15 @@ from speclab.profiles import REPO, Point, load
 # Marks the processes this test run starts (inherited through their environment), so a check
 # for leftover servers sees its own, orphans included, and not another run's on the machine.
 SESSION_MARK = os.environ["SPECLAB_TEST_PROCESS"] = uuid.uuid4().hex
+
+
+@pytest.fixture(scope="module")
+def module_tmp(tmp_path_factory, request) -> Path:
+    """A folder for one test module's builds, removed when the module ends: its checkpoints
+    (hundreds of MB each) must not pile up on a shared disk across the suite."""
+    path = tmp_path_factory.mktemp(request.module.__name__.rpartition(".")[2])
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -37,8 +37,8 @@ def _stored(model_dir: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory):
-    root = tmp_path_factory.mktemp("dsv4")
+def built(module_tmp):
+    root = module_tmp
     d = {k: root / k for k in ("tiny", "tiny_draft", "rig", "rig_draft", "dial0", "dial0_draft",
                                "dial1", "dial1_draft")}
     meta = {"tiny": T.build_tiny_dsv4(d["tiny"], seed=0),

@@ -86,10 +86,10 @@ def test_profile_check_answers_without_torch_or_vllm(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def installed(tmp_path_factory):
+def installed(module_tmp):
     """The wheel, installed with --no-deps into a fresh venv that borrows this interpreter's
     packages (a .pth line; not the checkout)."""
-    tmp = tmp_path_factory.mktemp("install")
+    tmp = module_tmp
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(tmp),
                     str(ROOT)], check=True, capture_output=True)
     wheel = next(tmp.glob("speclab-*.whl"))

@@ -28,8 +28,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
-def small(tmp_path_factory):
-    root = tmp_path_factory.mktemp("layer_rig")
+def small(module_tmp):
+    root = module_tmp
     L.build_layer_rig_dsv4(root / "t", seed=0, config=SMALL)
     L.build_layer_rig_dsv4_eagle3(root / "d", root / "t", seed=0)
     L.build_layer_rig_dsv4_eagle3(root / "p", root / "t", seed=0, slot_shift=1)

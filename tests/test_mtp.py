@@ -52,8 +52,8 @@ def _names(stored: dict) -> dict:
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory):
-    d = tmp_path_factory.mktemp("mtp") / "dial-dsv4-mtp"
+def built(module_tmp):
+    d = module_tmp / "dial-dsv4-mtp"
     meta = M.build_dial_dsv4_mtp(d, seed=0)
     return d, meta, json.loads((d / "config.json").read_text()), _stored(d)
 

@@ -210,3 +210,29 @@ def test_the_installed_vllm_reads_as_its_release_in_the_matrix():
     facts = vllm_matrix.request_metrics_facts(tree)
     assert facts == RELEASES[preflight.installed_vllm()]["request_metrics"]
     assert engine.native_request_metrics() == bool(facts["levels"])
+
+
+def test_a_release_tree_leaves_no_downloaded_wheel_behind(tmp_path, monkeypatch):
+    """The overlay tests unzip each release's Python tree; a wheel they had to download (250-340
+    MB, ten releases) is deleted once unzipped, and only ``*.py`` is kept."""
+    import zipfile
+
+    import vllm022
+
+    def fake_download(version, dest):
+        dest.mkdir(parents=True)
+        w = dest / f"vllm-{version}-cp38-abi3-manylinux_2_28_x86_64.whl"
+        with zipfile.ZipFile(w, "w") as z:
+            z.writestr("vllm/version.py", "__version__ = '9.9.9'")
+            z.writestr("vllm/_C.abi3.so", b"\0" * 64)
+        return w
+
+    monkeypatch.setenv("SPECLAB_CACHE", str(tmp_path))
+    monkeypatch.setattr(vllm022, "CACHE", tmp_path)
+    monkeypatch.setattr(vllm022, "download", fake_download)
+    root = vllm022.vllm_py_tree("9.9.9")
+    assert (root / "vllm" / "version.py").read_text() == "__version__ = '9.9.9'"
+    assert not (root / "vllm" / "_C.abi3.so").exists()
+    assert list(tmp_path.rglob("*.whl")) == []
+    assert [p.name for p in (tmp_path / "vllm-py").iterdir()] == ["9.9.9"]
+    assert vllm022.vllm_py_tree("9.9.9") == root  # cached: no second download

@@ -221,9 +221,9 @@ def test_detection_power_figure_draws_each_defect():
 
 
 @pytest.fixture(scope="module")
-def dial_bigram(tmp_path_factory):
+def dial_bigram(module_tmp):
     """The near-tie DeepSeek-V4 bigram (`neartie-dial-dsv4`, seed 0) in a temporary folder."""
-    d = tmp_path_factory.mktemp("neartie-dial-dsv4")
+    (d := module_tmp / "neartie-dial-dsv4").mkdir()
     neartie.build_neartie_dial_dsv4(d, seed=0)
     return d
 

@@ -56,10 +56,10 @@ def test_mxfp4_layout_and_round_trip():
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory, monkeypatch_module):
+def pair(module_tmp, monkeypatch_module):
     monkeypatch_module.setattr(R, "REAL_CONFIG", {**R.REAL_CONFIG, **SMALL})
     monkeypatch_module.setattr(R, "DRAFT_VOCAB", 1024)
-    root = tmp_path_factory.mktemp("rs")
+    root = module_tmp
     meta4 = R.build_realshape_dsv4(root / "t4", seed=0, num_layers=4)
     meta5 = R.build_realshape_dsv4(root / "t5", seed=0, num_layers=5)
     R.build_realshape_dsv4_eagle3(root / "d4", root / "t4", seed=0, intermediate_size=512)

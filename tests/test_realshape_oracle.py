@@ -79,8 +79,8 @@ def _rotated_groups(draft_dir: Path, out_dir: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def pair(fixture_cache, tmp_path_factory):
-    root = tmp_path_factory.mktemp("realshape-oracle")
+def pair(fixture_cache, module_tmp):
+    root = module_tmp
     tok_dir = fixtures.build("tokenizer", fixture_cache)
     succ = _dial_llama_target(root / "target", tok_dir)
     meta = realshape.build_counting_oracle_llama_eagle3(root / "draft", root / "target", **DRAFT)

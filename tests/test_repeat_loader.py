@@ -38,12 +38,12 @@ PROMPTS = [[5, 17, 99, 3, 250], [400, 12, 7]]
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
+def checkpoints(module_tmp):
     """full/: a random 4-layer Llama whose layers 2, 3 equal layers 0, 1; stored/: the same
     without layers 2, 3 and with the sources file naming 0, 1 for them."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    root = tmp_path_factory.mktemp("repeat")
+    root = module_tmp
     cfg = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                       bos_token_id=0, eos_token_id=1, tie_word_embeddings=False)

@@ -2,9 +2,9 @@
 
 The official CUDA wheels cannot be installed next to the CPU vLLM of the test environment,
 but their pure-Python trees import on a CPU machine (no GPU kernel is touched at import):
-``vllm_py_tree(version)`` downloads the wheel once (``speclab.vllm_matrix.wheel``) and unzips
-only ``*.py`` under ``$SPECLAB_CACHE/vllm-py/<version>`` (default ``~/.cache/speclab``);
-a wheel already in ``$SPECLAB_CACHE/wheels`` is used as is. ``run_probe`` runs
+``vllm_py_tree(version)`` unzips only a release's ``*.py`` under
+``$SPECLAB_CACHE/vllm-py/<version>`` (default ``~/.cache/speclab``), from a wheel already in
+``$SPECLAB_CACHE/wheels`` or else one downloaded for it and deleted after. ``run_probe`` runs
 ``overlay_probe.py`` in a subprocess with that tree first on ``PYTHONPATH`` and the
 environment's torch.
 """
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from speclab.vllm_matrix import Unavailable, wheel
+from speclab.vllm_matrix import Unavailable, cached_wheel, download
 
 CACHE = Path(os.environ.get("SPECLAB_CACHE") or Path.home() / ".cache" / "speclab")
 HERE = Path(__file__).resolve().parent
@@ -30,19 +30,24 @@ OVERLAY = HERE.parent / "overlay"
 
 
 def vllm_py_tree(version: str) -> Path:
-    """Directory holding vLLM ``version``'s ``vllm/**/*.py`` (built once, then cached)."""
+    """Directory holding vLLM ``version``'s ``vllm/**/*.py`` (built once, then cached). A wheel
+    not already cached is downloaded into a scratch folder and deleted once unzipped: ten
+    releases' wheels are ~2.7 GB, their Python trees ~0.4 GB."""
     root = CACHE / "vllm-py" / version
     if (root / "vllm" / "version.py").is_file():
         return root
-    whl = wheel(version)
     root.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=root.parent, prefix=f".{version}-"))
-    with zipfile.ZipFile(whl) as zf:
-        zf.extractall(tmp, [n for n in zf.namelist()
-                            if n.startswith("vllm/") and n.endswith(".py")])
     try:
-        tmp.rename(root)
+        whl = cached_wheel(version) or download(version, tmp / "wheel")
+        with zipfile.ZipFile(whl) as zf:
+            zf.extractall(tmp / "tree", [n for n in zf.namelist()
+                                         if n.startswith("vllm/") and n.endswith(".py")])
+        (tmp / "tree").rename(root)
     except OSError:  # another process finished first
+        if not (root / "vllm" / "version.py").is_file():
+            raise
+    finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return root
 

@@ -43,30 +43,38 @@ def cache_dir() -> Path:
     return Path(os.environ.get("SPECLAB_CACHE") or Path.home() / ".cache" / "speclab")
 
 
+def cached_wheel(version: str) -> Path | None:
+    """The official vLLM wheel for ``version`` in ``$SPECLAB_CACHE/wheels``, if there."""
+    found = sorted((cache_dir() / "wheels").glob(f"vllm-{version}-*.whl"))
+    return found[0] if found else None
+
+
+def download(version: str, dest: Path) -> Path:
+    """``pip download`` the official (CUDA, x86_64, CPython 3.12) vLLM wheel into ``dest``."""
+    dest.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+           "--implementation", "cp", "--python-version", "3.12",
+           "--platform", "manylinux_2_28_x86_64", "--platform", "manylinux_2_24_x86_64",
+           "-d", str(dest), f"vllm=={version}"]
+    done = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=1800)
+    found = sorted(dest.glob(f"vllm-{version}-*.whl"))
+    if done.returncode or not found:
+        raise Unavailable(f"vllm {version} wheel neither in {dest} nor downloadable: "
+                          f"{done.stderr.strip().splitlines()[-1:] or done.returncode}")
+    return found[0]
+
+
 def wheel(version: str) -> Path:
     """The cached official vLLM wheel for ``version`` (downloaded if missing; one download at
     a time per version: a concurrent caller, e.g. a second test run on the same cache, waits
     for it instead of reading a half-written wheel)."""
+    if found := cached_wheel(version):
+        return found
     wheels = cache_dir() / "wheels"
-    found = sorted(wheels.glob(f"vllm-{version}-*.whl"))
-    if found:
-        return found[0]
     wheels.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-           "--implementation", "cp", "--python-version", "3.12",
-           "--platform", "manylinux_2_28_x86_64", "--platform", "manylinux_2_24_x86_64",
-           "-d", str(wheels), f"vllm=={version}"]
     with open(wheels / f".vllm-{version}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        found = sorted(wheels.glob(f"vllm-{version}-*.whl"))
-        if found:
-            return found[0]
-        done = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=1800)
-    found = sorted(wheels.glob(f"vllm-{version}-*.whl"))
-    if done.returncode or not found:
-        raise Unavailable(f"vllm {version} wheel neither in {wheels} nor downloadable: "
-                          f"{done.stderr.strip().splitlines()[-1:] or done.returncode}")
-    return found[0]
+        return cached_wheel(version) or download(version, wheels)
 
 
 def _overlay():

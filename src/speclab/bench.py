@@ -30,7 +30,7 @@ def main(profile_name: str, k: int, run_id: str) -> int:
             print(f"point failed: {meta['error']}\n{meta.get('log_tail', '')}")
             return 1
         p0 = time.perf_counter()
-        pts, recs = store.load_results(run_dir)
+        _, recs = store.load_results(run_dir)
         figs = []
         if k:
             acc = analysis.acceptance(recs)

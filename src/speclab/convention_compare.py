@@ -10,6 +10,7 @@ import pandas as pd
 from speclab import analysis
 from speclab.convention import CONVENTIONS
 
+
 def per_point(points):
     """One row per ok speculative point with its resolved convention (``aux_convention`` of
     its metadata): point_id, convention, requested, source, applied, capture columns."""

@@ -12,10 +12,11 @@ import platform
 import sys
 import time
 import types
+from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import cache
 from importlib.metadata import PackageNotFoundError, version
-from typing import Any, Iterator
+from typing import Any
 
 from speclab import convention, methods
 

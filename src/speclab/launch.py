@@ -31,9 +31,10 @@ import threading
 import time
 import traceback
 from collections import OrderedDict
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import IO, Callable, ClassVar, Iterator, NoReturn
+from typing import IO, ClassVar, NoReturn
 
 from speclab import fingerprint, methods, store
 from speclab.profiles import Point, Profile, resolve_model
@@ -429,7 +430,7 @@ def root_cause(log_path: Path) -> str | None:
     except OSError:
         return None
     m = re.search(r"^(?:\(\w+ pid=\d+\) )?(?:ERROR [^\]]*\] )?((?:\w+\.)*\w*(?:Error|Exception)"
-                  r": .+)$", text, re.M)
+                  r": .+)$", text, re.MULTILINE)
     return m.group(1).strip() if m else None
 
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 import math
 import re
 import warnings
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Sequence
 
 import numpy as np
 
@@ -31,7 +31,7 @@ class SpecCounters:
     num_accepted_tokens: int = 0
     accepted_per_pos: tuple[int, ...] = ()
 
-    def __sub__(self, before: "SpecCounters") -> "SpecCounters":
+    def __sub__(self, before: SpecCounters) -> SpecCounters:
         n = max(len(self.accepted_per_pos), len(before.accepted_per_pos))
         a, b = _pad(self.accepted_per_pos, n), _pad(before.accepted_per_pos, n)
         return SpecCounters(
@@ -41,7 +41,7 @@ class SpecCounters:
             tuple(x - y for x, y in zip(a, b)),
         )
 
-    def __add__(self, other: "SpecCounters") -> "SpecCounters":
+    def __add__(self, other: SpecCounters) -> SpecCounters:
         n = max(len(self.accepted_per_pos), len(other.accepted_per_pos))
         a, b = _pad(self.accepted_per_pos, n), _pad(other.accepted_per_pos, n)
         return SpecCounters(
@@ -80,7 +80,7 @@ class SpecCounters:
         }
 
     @classmethod
-    def from_dict(cls, d: dict) -> "SpecCounters":
+    def from_dict(cls, d: dict) -> SpecCounters:
         return cls(
             int(d["num_drafts"]),
             int(d["num_draft_tokens"]),

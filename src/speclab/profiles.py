@@ -116,7 +116,7 @@ class Control(BaseModel):
     k: int | None = Field(None, ge=1)  # None: parity.spec_k
 
     @model_validator(mode="after")
-    def _sized(self) -> "Control":
+    def _sized(self) -> Control:
         if self.kind == "aux-layers" and not self.aux_ids:
             raise ValueError("aux-layers control: give aux_ids")
         if self.kind != "aux-layers" and not self.sizes:
@@ -158,7 +158,7 @@ class Ngram(BaseModel):
     prompt_lookup_max: int = Field(5, ge=1)
 
     @model_validator(mode="after")
-    def _window(self) -> "Ngram":
+    def _window(self) -> Ngram:
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError("prompt_lookup_min must be <= prompt_lookup_max")
         return self
@@ -228,7 +228,7 @@ class Profile(BaseModel):
     exclusive_node: bool = False
 
     @model_validator(mode="after")
-    def _consistent(self) -> "Profile":
+    def _consistent(self) -> Profile:
         if not self.draft and any(methods.uses_draft(m) and any(self.grid.k_values(m))
                                   for m in methods.profile_methods(self)):
             raise ValueError("grid has k > 0 with method eagle3 but no draft model is set")

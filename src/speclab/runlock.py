@@ -14,9 +14,9 @@ import os
 import socket
 import sys
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 log = logging.getLogger(__name__)
 ENV = "SPECLAB_RUN_LOCK"

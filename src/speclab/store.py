@@ -25,8 +25,9 @@ import os
 import tempfile
 import time
 import warnings
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, Callable, Iterable, Literal
+from typing import Any, Literal
 
 import pandas as pd
 import pyarrow as pa

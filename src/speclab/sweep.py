@@ -9,8 +9,8 @@ every point alike.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 from speclab import executors, fingerprint, launch, memory, runlock, store
 from speclab.profiles import Point, Profile, expand

@@ -559,6 +559,44 @@ def test_the_committed_h200_runs_pool_and_the_mtp_head_is_predicted():
     assert set(p.draft) == {"", "mtp"} and ex["layers_measured"] == [24, 32]
 
 
+def test_the_error_budget_names_what_the_model_leaves_out():
+    """A verify forward 0.3 ms above the plain step at its rows and 0.1 ms of sampling beside
+    the drafter, in the split pass of B = 4, k = 2: `error_budget` finds both, and its parts
+    add up to the step the model misses; without them (the control) both read 0."""
+    def budget(extra_execute, extra_sample):
+        res = rows()
+        i = res.index[(res.op == "split") & (res.k == 2) & (res.B == 4)][0]
+        d = t_draft(2, 4)
+        res.at[i, "calls"] = [
+            {"op": "execute", "tokens": 12, "reqs": 4, "ms": t_plain(18) + extra_execute},
+            {"op": "sample", "tokens": 12, "reqs": 4, "ms": d + extra_sample},
+            {"op": "propose", "tokens": 12, "reqs": 4, "ms": d}] * 20
+        return predict.error_budget(res).set_index(["k", "B"])
+
+    b = budget(0.3, 0.1)
+    assert list(b.index) == [(2, 4)]  # the only split pass that timed the target's forward
+    b = b.iloc[0]
+    assert b.verify_extra_ms == pytest.approx(0.3, abs=0.03)
+    assert b.sampling_ms == pytest.approx(0.1) and b.drafter_ms == pytest.approx(0)
+    assert b[list(predict.BUDGET)].sum() == pytest.approx(b.err_ms)
+    control = budget(0, 0).iloc[0]
+    assert abs(control.verify_extra_ms) < 0.03 and control.sampling_ms == pytest.approx(0)
+
+
+def test_the_h200_runs_largest_miss_is_host_time():
+    """On the pooled H200 runs the point the model misses most among those with a full split
+    pass (B = 4, k = 2: 7.3%) loses most of it to the GPU waiting for the host (`idle_ms`);
+    the sampling the model leaves out is 0.05-0.2 ms a step at every point."""
+    from speclab import predictreport
+
+    b = predict.error_budget(predict.load(predictreport.reference_runs())).dropna(
+        subset=["err_ms"])
+    worst = b.loc[b.error.idxmax()]
+    assert (worst.B, worst.k) == (4, 2) and worst.idle_ms > 0.5 * worst.err_ms
+    assert b.sampling_ms.between(0.05, 0.2).all()
+    assert np.allclose(b[list(predict.BUDGET)].sum(axis=1), b.err_ms)
+
+
 def test_predict_cli_pools_runs_into_their_own_folder(tmp_path, capsys):
     """`speclab predict A B --out DIR` writes the pooled report to DIR; without --out it
     stops with the reason (exit 1), and a GPU mismatch is refused the same way."""

@@ -24,7 +24,8 @@ batch's mean step: its last rounds run the requests still going, Binomial(B, s_j
 round j with s_j the probability that a request runs a j-th round (`round_survival`, from the
 acceptance profile alone), and a pass's tok/s sees E[sum_j T_spec(n_j)] / sum_j s_j
 (`batch_step`); a served batch, whose finished requests are replaced, has no tail.
-`validate` puts every measured speculative point beside its prediction; `extrapolate` fits
+`validate` puts every measured speculative point beside its prediction and `error_budget` splits
+the step it misses into the parts the model leaves out; `extrapolate` fits
 T_plain(n, L) = a(n) + b(n) L over the measured layer counts and predicts at the production
 depth.
 """
@@ -556,6 +557,36 @@ def validate(results: pd.DataFrame, max_tokens: int = 128) -> pd.DataFrame:
                      "bracketed": bool(serial <= r.speedup <= q.pred_speedup)
                      if pd.notna(q.draft_host_ms) else None})
     return pd.DataFrame(rows)
+
+
+BUDGET = ("verify_extra_ms", "sampling_ms", "drafter_ms", "tail_extra_ms", "idle_ms",
+          "rest_ms")
+"""The parts of `error_budget`, in the order they are summed."""
+
+
+def error_budget(results: pd.DataFrame, max_tokens: int = 128) -> pd.DataFrame:
+    """Where the model's error goes, per speculative point with a split pass that timed the
+    target's forward: the measured step less the predicted one (`validate`), `err_ms`, as the
+    sum of what the model prices otherwise or leaves out (`step_anatomy`, several runs' split
+    passes of a point averaged): `verify_extra_ms`, the verify forward less the plain step at
+    its rows (which holds plain's own sampling and idle time); `sampling_ms`, sampling less the
+    drafter inside it (rejection and bookkeeping); `drafter_ms`, the drafter in the split pass
+    less the one priced; `tail_extra_ms`, the batch's tail measured less predicted; `idle_ms`,
+    the step the GPU waits for the host; `rest_ms`, what is left (mean against median steps)."""
+    v = validate(results, max_tokens)
+    a = step_anatomy(results, max_tokens)
+    if v.empty or a.empty:
+        return pd.DataFrame()
+    keys = [*CONFIG, "k", "B"]
+    a = a[a.k > 0].groupby(keys, as_index=False).mean(numeric_only=True)
+    m = v[[*keys, "step_ms", "pred_step_ms", "verify_ms", "draft_ms", "pred_tail_ms",
+           "error"]].merge(a.drop(columns="step_ms"), on=keys)
+    out = m[[*keys, "step_ms", "pred_step_ms", "error"]].assign(
+        err_ms=m.step_ms - m.pred_step_ms, verify_extra_ms=m.execute_ms - m.verify_ms,
+        sampling_ms=m.sample_ms - m.propose_ms, drafter_ms=m.propose_ms - m.draft_ms,
+        tail_extra_ms=m.tail_ms - m.pred_tail_ms, idle_ms=m.idle_ms)
+    out["rest_ms"] = out.err_ms - out[list(BUDGET[:-1])].sum(axis=1)
+    return out.sort_values([*CONFIG, "B", "k"], ignore_index=True)
 
 
 def _measured_rates(row, df: pd.DataFrame) -> list[float]:

@@ -183,6 +183,26 @@ def report(runs, rates=predict.PUBLISHED_EAGLE31,
                    "passes' step less `gpu_ms`, what a step spends with the GPU waiting (the "
                    "cost model leaves it out)."), "",
                   _md(anatomy.sort_values([*CONFIG, "B", "k"]), cols), ""]
+    budget = predict.error_budget(res)
+    budget = budget.dropna(subset=["err_ms"]) if len(budget) else budget
+    if len(budget):
+        worst = budget.loc[budget.error.abs().idxmax()]
+        part = max(predict.BUDGET[:-1], key=lambda c: worst[c])
+        lines += ["## Where the model's error goes", "",
+                  ("The measured step less the predicted one (`err_ms`; `error` is the "
+                   "speedup's) as the sum of what the model prices otherwise or leaves out, "
+                   "from the split passes (`predict.error_budget`): the verify forward above "
+                   "the plain step at its rows (`verify_extra_ms`), sampling less the drafter "
+                   "inside it (`sampling_ms`: rejection, bookkeeping), the drafter's split-pass "
+                   "time less the one priced (`drafter_ms`), the batch's tail measured less "
+                   "predicted (`tail_extra_ms`), the GPU waiting for the host (`idle_ms`) and "
+                   "the rest (`rest_ms`, mean against median steps). "
+                   f"Of these points the largest error, {worst.error:+.1%} at B = {int(worst.B)}, k = "
+                   f"{int(worst.k)}{f' ({worst.draft})' if worst.draft else ''}, is "
+                   f"{worst.err_ms:.2f} ms a step, most of it `{part}` "
+                   f"({worst[part]:.2f} ms)."), "",
+                  _md(budget, [*CONFIG, "k", "B", "step_ms", "pred_step_ms", "error", "err_ms",
+                               *predict.BUDGET]), ""]
     try:
         by_method = {"eagle3": list(rates), "mtp": list(mtp_rates)}
         ex = predict.extrapolate(costs, drafts, by_method, layers)

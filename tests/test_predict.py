@@ -236,6 +236,22 @@ def test_best_k_and_profile_continuation():
     assert p.groupby("B").best.sum().eq(1).all()
 
 
+def test_the_acceptance_length_that_breaks_even(monkeypatch):
+    """`al_needed` is the AL at which k's step pays for itself at B, whatever the rates: the
+    speedup is AL over it. At B = 4 the 12-token verify step of k = 2 replays the 18-row graph:
+    priced unpadded (the control) it needs less, while k = 3's 16 rows need the same."""
+    res = rows()
+    costs, drafts = predict.step_costs(res), predict.draft_ms(res)
+    a = predict.predict(costs, drafts, RATES).set_index(["B", "k"])
+    b = predict.predict(costs, drafts, (0.9, 0.8, 0.7, 0.6, 0.5)).set_index(["B", "k"])
+    assert np.allclose(a.pred_speedup, a.al / a.al_needed)
+    assert np.allclose(a.al_needed, b.al_needed) and not np.allclose(a.al, b.al)
+    monkeypatch.setattr(cudagraphs, "graph_rows", lambda r, q=1, *_: r * q)
+    u = predict.predict(costs, drafts, RATES).set_index(["B", "k"])
+    assert u.al_needed[4, 2] < a.al_needed[4, 2] - 0.05
+    assert u.al_needed[4, 3] == pytest.approx(a.al_needed[4, 3])
+
+
 def test_extrapolation_is_linear_in_layers():
     res = rows(layers=(4, 8), rounds=2)
     costs, drafts = predict.step_costs(res), predict.draft_ms(res)

@@ -477,7 +477,8 @@ def predict(costs: pd.DataFrame, drafts: pd.DataFrame, rates, ks=range(1, 6),
     """Predicted step, tok/s and speedup per (layers, eager, draft, k, B) from the plain
     curve (`plain_at` with `moe`, by rows: `rows_curve`, `step_rows` on `gpu` and `vllm`) and the
     drafter times of each draft setting (module doc), for the acceptance profile `rates` (or
-    {method: rates}, `rates_for`); best k per B is the row with `best` True. `tokens`: an
+    {method: rates}, `rates_for`); best k per B is the row with `best` True. `al_needed`, the
+    acceptance length at which k breaks even at B (T_spec / T_plain), holds for any rates. `tokens`: an
     offline batch of B requests generating that many tokens each after the first, whose
     last rounds run fewer requests (`batch_step`; `tail_ms` is what that adds a step);
     None: a batch whose finished requests are replaced at once (serving at concurrency B)."""
@@ -510,7 +511,8 @@ def predict(costs: pd.DataFrame, drafts: pd.DataFrame, rates, ks=range(1, 6),
                                  "draft_host_ms": drafter_at(db, k, "draft_host_ms"),
                                  "drafter_scaled": drafter_scaled(db, k),
                                  "pred_tok_s": 1e3 * B * al / step,
-                                 "pred_speedup": al * t0 / step})
+                                 "pred_speedup": al * t0 / step,
+                                 "al_needed": step / t0})
     out = pd.DataFrame(rows)
     if len(out):
         best = out.groupby([*CONFIG, "B"]).pred_speedup.transform("max")

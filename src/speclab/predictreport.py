@@ -212,13 +212,16 @@ def report(runs, rates=predict.PUBLISHED_EAGLE31,
                   (f"Plain step per batch size n fitted as a + b·L over layers "
                   f"{ex['layers_measured']}; drafter times from the {ex['drafts_from_layers']}-"
                   "layer run. Requests replaced as they finish (serving at concurrency B; "
-                  "an offline batch also pays its tail, `pred_tail_ms` above). One GPU, TP 1"
+                  "an offline batch also pays its tail, `pred_tail_ms` above). `al_needed`: "
+                  "the acceptance length at which k breaks even at B, for any draft of that "
+                  "drafter cost (a draft whose AL is below it slows decoding). One GPU, TP 1"
                   + (f"; the next section says what a TP {gpus} + EP node changes." if gpus > 1
                      else ".")), "",
                   _md(ex["fit"], ["n", "a_ms", "b_ms_per_layer", "resolved"]), "",
                   _md(ex["prediction"], ["draft", "B", "k", "al", "verify_rows", "verify_ms",
                                          "draft_ms", "drafter_scaled", "pred_step_ms",
-                                         "pred_tok_s", "pred_speedup", "best"]),
+                                         "pred_tok_s", "pred_speedup", "al_needed",
+                                         "best"]),
                   "", *_spread_lines(costs, drafts, by_method, layers)]
         if gpus > 1:
             lines += _node_section(ex, by_method, gpus, _expert_dtypes(dirs), out_dir)

@@ -95,6 +95,10 @@ def test_mtp_engines_draft_with_the_targets_own_head(tmp_path, fake_pair, monkey
     # plain at 24 layers at every row count a B = 1 or 4 verify step runs below 16
     rows24 = {*final[2].batches, *final[2].extra_batches}
     assert rows24 == {1, 2, 3, 4, 5, 6, 8, 16} <= set(final[2].capture_sizes)
+    mtp2 = P.PLANS["timing-deep-mtp2"]()  # MTP k = 2 at B = 1, 4, 16 and k = 1 at B = 4
+    assert [e.name for e in mtp2] == ["L32-k0-graphs", "L32-k2-graphs-mtp", "L32-k1-graphs-mtp"]
+    assert mtp2[0].extra_batches == (2, 3, 8, 18, 32, 48) and mtp2[2].batches == (4,)
+    assert {cudagraphs.graph_rows(4, 3)} == {18} <= set(mtp2[0].capture_sizes)
     b64 = P.PLANS["timing-deep-b64"]()  # B = 64 with speculation
     assert [e.name for e in b64] == ["L32-k0-graphs", "L32-k2-graphs", "L32-k1-graphs"]
     assert b64[0].extra_batches == (128, 192) and {128, 192} <= set(b64[0].capture_sizes)

@@ -204,6 +204,17 @@ def final_plan(layers: int = 32, shallow: int = 24) -> list[Engine]:
             Engine(shallow, 0, batches=(1, 4, 16), extra_batches=small)]
 
 
+def mtp2_plan(layers: int = 32) -> list[Engine]:
+    """The MTP head where the 43-layer prediction rests on no measurement (2026-12-05): k = 2,
+    its predicted best at B = 1 (drafter time read between k = 1 and 3), at B = 1, 4, 16, and
+    k = 1, its predicted best at B = 16, at B = 4, where neither ran; plain at B = 1, 4, 16 and
+    the rows of those verify graphs (k = 2 at B = 4 replays the 18-row graph)."""
+    plain = Engine(layers, 0, batches=(1, 4, 16),
+                   extra_batches=verify_batches((1, 4, 16), (1, 2)))
+    return [plain, Engine(layers, 2, batches=(1, 4, 16), method="mtp"),
+            Engine(layers, 1, batches=(4,), method="mtp")]
+
+
 def b64_plan(layers: int = 32) -> list[Engine]:
     """Speculation at B = 64 (k = 2, then 1) beside plain at 64 and the rows of those verify
     graphs (128, 192: 6 GiB of KV for 192 requests, `Engine.kv_bytes`)."""
@@ -243,6 +254,7 @@ PLANS = {**{f"timing-{v}": (lambda v=v: timing_plan(v)) for v in DRAFT_VARIANTS}
          "timing-h100": h100_plan,
          "timing-deep-mtp": mtp_plan, "timing-deep-next": next_plan,
          "timing-deep-final": final_plan, "timing-deep-b64": b64_plan,
+         "timing-deep-mtp2": mtp2_plan,
          # the B = 4 loss of 2026-12-05: plain at every verify size of B = 4, k = 4 in full
          "timing-deep-b4": lambda: [Engine(32, 0, batches=(4,),
                                            extra_batches=verify_batches((4,), range(1, 6))),

@@ -628,6 +628,10 @@ def test_predict_cli_pools_runs_into_their_own_folder(tmp_path, capsys):
     assert cli.main(["predict", str(a), str(b), "--out", str(tmp_path / "p"), "--gpus", "1"]) == 0
     assert "## Runs pooled" in (tmp_path / "p" / "predict.md").read_text()
     assert not (a / "predict.md").exists()
+    for bad in (["--layers", "0"], ["--gpus", "eight"]):  # refused as read, nothing written
+        with pytest.raises(SystemExit):
+            cli.main(["predict", str(a), "--out", str(tmp_path / "q"), *bad])
+        assert "at least 1" in capsys.readouterr().err and not (tmp_path / "q").exists()
 
 
 def test_the_extrapolation_spread_follows_the_plain_steps_intervals():

@@ -320,6 +320,17 @@ def _run_id_arg(value: str) -> str:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _positive_int(value: str) -> int:
+    """An integer of at least 1 (a layer or GPU count), checked as argparse reads it."""
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{value!r}: a whole number of at least 1")
+    return n
+
+
 def _common(p) -> None:
     """The options `run` and `sweep` share, spelled the same."""
     p.add_argument("--profile", default="tiny-cpu", help="profile name or YAML path")
@@ -408,8 +419,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--acceptance-mtp", default="0.769,0.381",
                    help="the same for MTP engines (default: DeepSeek-V4-Flash's MTP in vLLM "
                    "PR #41044)")
-    p.add_argument("--layers", type=int, default=43, help="target depth to extrapolate to")
-    p.add_argument("--gpus", type=int, default=8,
+    p.add_argument("--layers", type=_positive_int, default=43,
+                   help="target depth to extrapolate to")
+    p.add_argument("--gpus", type=_positive_int, default=8,
                    help="GPUs of the TP + EP node the extrapolation is carried to (a bracket, "
                    "not a measurement; 1: none)")
     p.add_argument("--out", help="output folder (default: the run folder; several runs need one)")

@@ -92,3 +92,15 @@ def test_a_run_id_that_is_a_path_is_refused_before_anything_runs(cmd, tmp_path, 
     # an absolute path names the run folder itself
     assert paths.run_folders(str(tmp_path / "r"), tmp_path)[0] == tmp_path / "r"
     assert not (tmp_path / "data").exists()
+
+
+@pytest.mark.parametrize("argv", [["bench", "--k", "-1"], ["bench", "--overhead", "--rounds", "0"],
+                                  ["overlay", "plan", "--num-layers", "0"]])
+def test_counts_below_their_minimum_are_refused_before_any_engine(argv, capsys, monkeypatch):
+    """`bench --k -1` ran a plain engine and `--overhead --rounds 0` an engine that printed
+    NaN; each is now an argparse error (exit 2) before anything loads."""
+    monkeypatch.setattr("speclab.bench.main", lambda *a, **k: pytest.fail("ran"))
+    monkeypatch.setattr("speclab.bench.overhead", lambda *a, **k: pytest.fail("ran"))
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    assert e.value.code == 2 and "a whole number of at least" in capsys.readouterr().err

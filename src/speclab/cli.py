@@ -320,15 +320,19 @@ def _run_id_arg(value: str) -> str:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def _positive_int(value: str) -> int:
-    """An integer of at least 1 (a layer or GPU count), checked as argparse reads it."""
-    try:
-        n = int(value)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"{value!r}: a whole number of at least 1")
-    return n
+def _at_least(low: int):
+    """An argparse type: a whole number of at least `low` (a count, k), checked as argparse
+    reads it, before anything loads."""
+    def whole(value: str) -> int:
+        try:
+            n = int(value)
+        except ValueError:
+            n = low - 1
+        if n < low:
+            raise argparse.ArgumentTypeError(f"{value!r}: a whole number of at least {low}")
+        return n
+
+    return whole
 
 
 def _common(p) -> None:
@@ -394,7 +398,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--site", help="site-packages directory (default: the active environment's)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--draft-config", help="the draft's config.json (or its folder)")
-    p.add_argument("--num-layers", type=int,
+    p.add_argument("--num-layers", type=_at_least(1),
                    help="target decoder layers, to check the capture range")
     p.add_argument("--target-config", help="the target's config.json (or folder), read for "
                    "num_hidden_layers when --num-layers is absent")
@@ -419,9 +423,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--acceptance-mtp", default="0.769,0.381",
                    help="the same for MTP engines (default: DeepSeek-V4-Flash's MTP in vLLM "
                    "PR #41044)")
-    p.add_argument("--layers", type=_positive_int, default=43,
+    p.add_argument("--layers", type=_at_least(1), default=43,
                    help="target depth to extrapolate to")
-    p.add_argument("--gpus", type=_positive_int, default=8,
+    p.add_argument("--gpus", type=_at_least(1), default=8,
                    help="GPUs of the TP + EP node the extrapolation is carried to (a bracket, "
                    "not a measurement; 1: none)")
     p.add_argument("--out", help="output folder (default: the run folder; several runs need one)")
@@ -439,11 +443,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", help="split one point's wall time: engine start, generation, harness")
     p.add_argument("--profile", default="tiny-cpu")
-    p.add_argument("--k", type=int, default=3)
+    p.add_argument("--k", type=_at_least(0), default=3)
     p.add_argument("--run-id", default="bench")
     p.add_argument("--overhead", action="store_true", help="instead: stepped generation (the "
                    "sweep's per-request attribution) against LLM.generate on one engine")
-    p.add_argument("--rounds", type=int, default=10, help="--overhead: alternating rounds")
+    p.add_argument("--rounds", type=_at_least(1), default=10, help="--overhead: alternating rounds")
     p.set_defaults(fn=cmd_bench)
     return ap
 

@@ -172,6 +172,11 @@ def test_a_pass_longer_than_the_model_allows_is_refused_before_any_engine(tmp_pa
         G.main(["drive", "--state", str(tmp_path / "s"), "--deadline", "0", "--tokens", "4000"])
     assert "--tokens 4000" in capsys.readouterr().err
     assert not (tmp_path / "s").exists()
+    for bad in (["--rounds", "0"], ["--warm", "-1"]):  # no timed round: nothing to report
+        with pytest.raises(SystemExit):
+            G.main(["drive", "--state", str(tmp_path / "s"), "--deadline", "0", *bad])
+        assert "at least one timed round" in capsys.readouterr().err
+        assert not (tmp_path / "s").exists()
 
 
 def test_drive_starts_nothing_past_its_deadline(tmp_path, fake_pair):

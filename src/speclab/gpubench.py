@@ -708,6 +708,9 @@ def main(argv=None) -> int:
     if a.cmd == "drive" and not 2 <= a.tokens <= longest:
         ap.error(f"--tokens {a.tokens}: a pass needs 2 to {longest} tokens a request "
                  f"({PROMPT_LEN}-token prompts, max_model_len {MAX_MODEL_LEN})")
+    if a.cmd == "drive" and (a.rounds < 1 or a.warm < 0):
+        ap.error(f"--rounds {a.rounds} --warm {a.warm}: at least one timed round, and no "
+                 "fewer than 0 warm-up processes")
     if a.cmd == "worker":
         return worker(json.loads(a.spec), a.fd)
     if a.cmd == "warm":

@@ -104,3 +104,16 @@ def test_counts_below_their_minimum_are_refused_before_any_engine(argv, capsys, 
     with pytest.raises(SystemExit) as e:
         cli.main(argv)
     assert e.value.code == 2 and "a whole number of at least" in capsys.readouterr().err
+
+
+def test_concurrency_is_checked_and_needs_server_mode(tmp_path, capsys, monkeypatch):
+    """`sweep --concurrency 0,x` ran the offline grid, the option ignored; now it is refused
+    offline, and bad levels are refused in server mode, before any point runs."""
+    monkeypatch.setattr("speclab.sweep.run", lambda *a, **k: pytest.fail("ran"))
+    monkeypatch.setattr("speclab.server.run_point", lambda *a, **k: pytest.fail("ran"))
+    base = ["sweep", "--profile", "tiny-cpu", "--out", str(tmp_path)]
+    assert cli.main([*base, "--concurrency", "1,4"]) == 2
+    assert "add --mode server" in capsys.readouterr().err
+    assert cli.main([*base, "--mode", "server", "--concurrency", "0,x"]) == 2
+    assert "request counts >= 1" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []

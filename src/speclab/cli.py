@@ -146,7 +146,10 @@ def cmd_sweep(a) -> int:
     prof = profiles.load(a.profile, over)
     if a.mode == "server" and prof.executor != "local":
         raise ValueError("server mode runs on this machine only (--executor local)")
-    levels = _levels(a.concurrency) if a.mode == "server" else []
+    if a.concurrency and a.mode != "server":
+        raise ValueError(f"--concurrency {a.concurrency} sets server mode's levels: add "
+                         "--mode server (offline points run every prompt as one batch)")
+    levels = _levels(a.concurrency or "1,4") if a.mode == "server" else []
     problems = preflight.check_env(prof)
     if problems:
         raise profiles.ProfileError("\n".join(problems))
@@ -380,8 +383,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ray-address", help="Ray cluster address (default: the profile's, else "
                    "RAY_ADDRESS, else a Ray instance started here)")
     p.add_argument("--mode", choices=["offline", "server"], default="offline")
-    p.add_argument("--concurrency", default="1,4",
-                   help="server mode: comma-separated concurrency levels")
+    p.add_argument("--concurrency",
+                   help="server mode: comma-separated concurrency levels (default 1,4)")
     p.set_defaults(fn=cmd_sweep)
 
     p = sub.add_parser("profile", help="list or check profiles (no model is loaded)")

@@ -228,7 +228,6 @@ def test_a_release_tree_leaves_no_downloaded_wheel_behind(tmp_path, monkeypatch)
         return w
 
     monkeypatch.setenv("SPECLAB_CACHE", str(tmp_path))
-    monkeypatch.setattr(vllm022, "CACHE", tmp_path)
     monkeypatch.setattr(vllm022, "download", fake_download)
     root = vllm022.vllm_py_tree("9.9.9")
     assert (root / "vllm" / "version.py").read_text() == "__version__ = '9.9.9'"

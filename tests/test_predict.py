@@ -587,7 +587,8 @@ def test_the_error_budget_names_what_the_model_leaves_out():
             {"op": "execute", "tokens": 12, "reqs": 4, "ms": t_plain(18) + extra_execute},
             {"op": "sample", "tokens": 12, "reqs": 4, "ms": d + extra_sample},
             {"op": "propose", "tokens": 12, "reqs": 4, "ms": d}] * 20
-        return predict.error_budget(res).set_index(["k", "B"])
+        return predict.error_budget(predict.validate(res),
+                                    predict.step_anatomy(res)).set_index(["k", "B"])
 
     b = budget(0.3, 0.1)
     assert list(b.index) == [(2, 4)]  # the only split pass that timed the target's forward
@@ -605,7 +606,8 @@ def test_the_h200_runs_largest_miss_is_host_time():
     the sampling the model leaves out is 0.05-0.2 ms a step at every point."""
     from speclab import predictreport
 
-    b = predict.error_budget(predict.load(predictreport.reference_runs())).dropna(
+    res = predict.load(predictreport.reference_runs())
+    b = predict.error_budget(predict.validate(res), predict.step_anatomy(res)).dropna(
         subset=["err_ms"])
     worst = b.loc[b.error.idxmax()]
     assert (worst.B, worst.k) == (4, 2) and worst.idle_ms > 0.5 * worst.err_ms

@@ -22,9 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from speclab.vllm_matrix import Unavailable, cached_wheel, download
+from speclab.vllm_matrix import Unavailable, cache_dir, cached_wheel, download
 
-CACHE = Path(os.environ.get("SPECLAB_CACHE") or Path.home() / ".cache" / "speclab")
 HERE = Path(__file__).resolve().parent
 OVERLAY = HERE.parent / "overlay"
 
@@ -33,7 +32,7 @@ def vllm_py_tree(version: str) -> Path:
     """Directory holding vLLM ``version``'s ``vllm/**/*.py`` (built once, then cached). A wheel
     not already cached is downloaded into a scratch folder and deleted once unzipped: ten
     releases' wheels are ~2.7 GB, their Python trees ~0.4 GB."""
-    root = CACHE / "vllm-py" / version
+    root = cache_dir() / "vllm-py" / version
     if (root / "vllm" / "version.py").is_file():
         return root
     root.parent.mkdir(parents=True, exist_ok=True)

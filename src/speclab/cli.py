@@ -327,13 +327,9 @@ def _at_least(low: int):
     """An argparse type: a whole number of at least `low` (a count, k), checked as argparse
     reads it, before anything loads."""
     def whole(value: str) -> int:
-        try:
-            n = int(value)
-        except ValueError:
-            n = low - 1
-        if n < low:
+        if not value.lstrip("-").isdigit() or int(value) < low:
             raise argparse.ArgumentTypeError(f"{value!r}: a whole number of at least {low}")
-        return n
+        return int(value)
 
     return whole
 

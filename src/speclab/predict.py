@@ -566,17 +566,16 @@ BUDGET = ("verify_extra_ms", "sampling_ms", "drafter_ms", "tail_extra_ms", "idle
 """The parts of `error_budget`, in the order they are summed."""
 
 
-def error_budget(results: pd.DataFrame, max_tokens: int = 128) -> pd.DataFrame:
+def error_budget(validated: pd.DataFrame, anatomy: pd.DataFrame) -> pd.DataFrame:
     """Where the model's error goes, per speculative point with a split pass that timed the
-    target's forward: the measured step less the predicted one (`validate`), `err_ms`, as the
-    sum of what the model prices otherwise or leaves out (`step_anatomy`, several runs' split
-    passes of a point averaged): `verify_extra_ms`, the verify forward less the plain step at
+    target's forward: the measured step less the predicted one (`validated`, what `validate`
+    returns), `err_ms`, as the sum of what the model prices otherwise or leaves out
+    (`anatomy`, what `step_anatomy` returns; several runs' split passes of a point averaged): `verify_extra_ms`, the verify forward less the plain step at
     its rows (which holds plain's own sampling and idle time); `sampling_ms`, sampling less the
     drafter inside it (rejection and bookkeeping); `drafter_ms`, the drafter in the split pass
     less the one priced; `tail_extra_ms`, the batch's tail measured less predicted; `idle_ms`,
     the step the GPU waits for the host; `rest_ms`, what is left (mean against median steps)."""
-    v = validate(results, max_tokens)
-    a = step_anatomy(results, max_tokens)
+    v, a = validated, anatomy
     if v.empty or a.empty:
         return pd.DataFrame()
     keys = [*CONFIG, "k", "B"]

@@ -183,7 +183,7 @@ def report(runs, rates=predict.PUBLISHED_EAGLE31,
                    "passes' step less `gpu_ms`, what a step spends with the GPU waiting (the "
                    "cost model leaves it out)."), "",
                   _md(anatomy.sort_values([*CONFIG, "B", "k"]), cols), ""]
-    budget = predict.error_budget(res)
+    budget = predict.error_budget(val, anatomy)
     budget = budget.dropna(subset=["err_ms"]) if len(budget) else budget
     if len(budget):
         worst = budget.loc[budget.error.abs().idxmax()]

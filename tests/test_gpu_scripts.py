@@ -1,7 +1,8 @@
 """The device-side shell tools that carry state between device calls: tools/gpu/jit.sh (JIT
 caches in both tarball layouts), tools/gpu/labd.sh (lab.py detached from the call, with the
-environment of every stage it is given), and the Ray layer: tools/gpu/pack.sh --ray and
-tools/gpu/unpack.sh's SPECLAB_RAY_SITE."""
+environment of every stage it is given), the Ray layer: tools/gpu/pack.sh --ray and
+tools/gpu/unpack.sh's SPECLAB_RAY_SITE; and, on the CPU machine, tools/gpu/lean.sh (what
+travels to the device)."""
 
 import io
 import json
@@ -236,3 +237,47 @@ def test_labd_takes_the_environment_of_every_stage_and_refuses_a_missing_one(tmp
     assert (out / "driver.log").read_text().splitlines() == ["BUNDLE=ok RAY=/tmp/ray-site"]
     assert r.stdout.splitlines()[-2:] == ["k3_x: counters equal, tokens equal",
                                           "1/1 shared points identical; throughput within"]
+
+
+def test_lean_sends_only_what_the_device_reads_and_blocks_commits_until_off(tmp_path):
+    """lean.sh on: run folders and figures leave the index (still on disk) and are ignored, so
+    what would travel (tracked + untracked-not-ignored) shrinks to the rest, a named run folder
+    stays; a commit is refused until `off`, which restores index, ignore list and hook."""
+    root = tree(tmp_path, "lean.sh")
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(root)]
+    subprocess.run([*git[:5], "init", "-q", str(root)], check=True)
+    for rel, size in (("src/a.py", 1 << 20), ("data/runs/old/big.html", 3 << 20),
+                      ("data/runs/keep/r.json", 1 << 20), ("figures/old/f.svg", 2 << 20)):
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_bytes(b"x" * size)
+    subprocess.run([*git, "add", "-A"], check=True)
+    subprocess.run([*git, "commit", "-qm", "base"], check=True)
+    exclude = (root / ".git/info/exclude").read_text()
+
+    def lean(*args):
+        r = subprocess.run(["bash", "tools/gpu/lean.sh", *args], cwd=root, capture_output=True,
+                           text=True, check=False)
+        return r.returncode, r.stdout.strip(), r.stderr
+
+    def travels():
+        out = subprocess.run([*git, "ls-files", "-co", "--exclude-standard"], check=True,
+                             capture_output=True, text=True).stdout.split()
+        return sorted(p for p in out if not p.startswith("tools/"))
+
+    assert lean("size")[1].startswith("7.0 MiB")
+    assert lean("on", "keep")[:2] == (0, "2.0 MiB travel")
+    assert travels() == ["data/runs/keep/r.json", "src/a.py"]
+    assert (root / "data/runs/old/big.html").exists() and (root / "figures/old/f.svg").exists()
+    r = subprocess.run([*git, "commit", "-qam", "x", "--allow-empty"], capture_output=True,
+                       text=True, check=False)
+    assert r.returncode != 0 and "lean.sh is on" in r.stderr
+    assert lean("off")[:2] == (0, "7.0 MiB travel")
+    assert (root / ".git/info/exclude").read_text() == exclude
+    assert not (root / ".git/hooks/pre-commit").exists()
+    assert subprocess.run([*git, "status", "--porcelain"], capture_output=True, text=True,
+                          check=True).stdout.strip() == ""
+    assert subprocess.run([*git, "commit", "-q", "--allow-empty", "-m", "y"],
+                          check=False).returncode == 0
+    # an unknown run folder is refused, and nothing stays half lean
+    assert lean("on", "nope")[0] == 2 and lean("size")[1].startswith("7.0 MiB")
+    assert not (root / ".git/hooks/pre-commit").exists()

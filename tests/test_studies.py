@@ -278,3 +278,15 @@ def test_ray_realshapes_profile_runs_batch_1_graphs_within_the_draft_vocabulary(
         ids = row.prompt_token_ids
         cont = R.greedy(succ.tolist(), ids, prof.max_tokens + k + LR.EXTRA_TOKENS)
         assert len(ids) == 256 and max(*ids, *cont) < R.DRAFT_VOCAB, row.id
+
+
+def test_gpu_tag_names_the_model_and_the_ray_run_folder_carries_it():
+    """`<gpu>` is the model from nvidia-smi's name, so a run on an H100 is not filed as an
+    H200 one (the Ray study's run folder); a name without a model gives "gpu"."""
+    assert [studies.gpu_tag(n) for n in ("NVIDIA H100 80GB HBM3", "NVIDIA H200",
+                                         "NVIDIA B200", "NVIDIA GeForce RTX 4090", "")] == [
+        "h100", "h200", "b200", "4090", "gpu"]
+    runs = {g: {r for j in studies.plan("S", "py", gpu=g).jobs
+                if j.study == "ray-realshape" for r in j.runs} for g in ("h100", "h200")}
+    assert runs["h100"] == {"h100-realshape-sweep-S", "h100-realshape-sweep-S-ray"}
+    assert runs["h200"] == {"h200-realshape-sweep-S", "h200-realshape-sweep-S-ray"}

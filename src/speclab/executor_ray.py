@@ -9,7 +9,13 @@ shared its node with others while it ran lists them in `side_by_side`. A point w
 worker dies is placed again (profile.ray.retries times, each failure recorded in
 `executor.retries`); a point that fails on its own keeps its error like under the local
 executor. Interrupting the driver cancels the tasks in flight (their workers are stopped) and
-keeps every point already written."""
+keeps every point already written.
+
+Ray starts its workers at niceness 15 (`worker_niceness`, Ray's ray_config_def.h) and a
+point's worker and vLLM's engine core inherit it; a host-bound decode loop then gives its core
+away to any other process. The point's task moves back to its node's niceness (the raylet's)
+where the OS lets it, an instance the executor starts has `RAY_worker_niceness=0`, and each
+point records the niceness it ran at (`executor.nice`)."""
 
 from __future__ import annotations
 
@@ -74,6 +80,7 @@ def run_on_node(profile_json: str, point_json: str, prompts: bytes, asked_cpus: 
     t0 = time.time()
     if not asked_cpus:
         _drop_ray_thread_cap()
+    nice = node_niceness()
     prof = Profile.model_validate_json(profile_json)
     point = profiles.Point.model_validate_json(point_json)
     with tempfile.TemporaryDirectory(prefix="speclab-point-") as tmp:
@@ -92,7 +99,21 @@ def run_on_node(profile_json: str, point_json: str, prompts: bytes, asked_cpus: 
     return {"meta": meta, "files": files, "scratch": str(scratch), "node_id": ctx.get_node_id(),
             "host": platform.node(), "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
             "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
-            "task_s": time.time() - t0}
+            "task_s": time.time() - t0, "nice": nice}
+
+
+def node_niceness() -> int:
+    """Give this process the niceness of the process that started it (the raylet) where the
+    OS allows it (lowering needs CAP_SYS_NICE) and return the niceness it now has, which the
+    point's worker and its engine inherit (the module docstring says why)."""
+    now = os.getpriority(os.PRIO_PROCESS, 0)
+    try:
+        parent = os.getpriority(os.PRIO_PROCESS, os.getppid())
+        if parent < now:
+            os.setpriority(os.PRIO_PROCESS, 0, parent)
+    except OSError:
+        pass
+    return os.getpriority(os.PRIO_PROCESS, 0)
 
 
 def _drop_ray_thread_cap() -> None:
@@ -108,6 +129,17 @@ def _drop_ray_thread_cap() -> None:
 
 
 # --------------------------------------------------------------------- on the driver
+def connect(address: str | None, **init) -> None:
+    """ray.init as the executor does: join the cluster at `address`, or start an instance
+    here (no dashboard) whose workers run at niceness 0, not Ray's 15; no log forwarding."""
+    import ray
+
+    if not address:
+        os.environ.setdefault("RAY_worker_niceness", "0")
+    ray.init(address=address, log_to_driver=False,
+             **({} if address else {"include_dashboard": False}), **init)
+
+
 def run(profile: Profile, run_dir: Path, points: list, fps: dict[str, dict]
         ) -> Iterator[dict]:
     """Run `points` on the Ray cluster; yield each point's metadata once it is written, with
@@ -123,9 +155,7 @@ def run(profile: Profile, run_dir: Path, points: list, fps: dict[str, dict]
 
     own = not ray.is_initialized()
     if own:
-        address = profile.ray.address or os.environ.get("RAY_ADDRESS")
-        ray.init(address=address, log_to_driver=False,
-                 **({} if address else {"include_dashboard": False}))
+        connect(profile.ray.address or os.environ.get("RAY_ADDRESS"))
     spans: dict[str, tuple] = {}  # point id -> (node id, placed, released)
     pgs: dict[str, object] = {}
     waiting: dict = {}  # placement group ready ref -> point id
@@ -202,7 +232,8 @@ def run(profile: Profile, run_dir: Path, points: list, fps: dict[str, dict]
                                    profile.exclusive_node and pid in grid),
                 "gpu_ids": out.get("gpu_ids"),
                 "cuda_visible_devices": out.get("cuda_visible_devices"),
-                "task_s": out.get("task_s"), "attempts": len(retries[pid]) + 1,
+                "task_s": out.get("task_s"), "nice": out.get("nice"),
+                "attempts": len(retries[pid]) + 1,
                 "retries": retries[pid]}, side_by_side(spans, pid, spans[pid][2]))
     finally:
         _stop(ray, running, waiting, pgs, remove_placement_group)

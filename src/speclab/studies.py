@@ -8,10 +8,11 @@ it stands). One argv step runs as it is; several run in one `bash -c`, joined by
 (`join: and`, the default) or `;` (`join: then`), each argv shell-quoted.
 
 Strings are templated: `<stamp>` (the run folders' suffix: date or LAB_STAMP and the release,
-`stamp()`), `<python>` (the interpreter that runs the jobs) and the study's `vars` (in order;
-a var may use earlier ones). An unknown `<name>` is an error.
+`stamp()`), `<python>` (the interpreter that runs the jobs), `<gpu>` (the GPU model the jobs
+run on, `gpu_tag()`: h100, h200, ...) and the study's `vars` (in order; a var may use earlier
+ones). An unknown `<name>` is an error.
 
-`plan(stamp, python)` reads every study, in `order`, and returns the jobs as
+`plan(stamp, python, gpu)` reads every study, in `order`, and returns the jobs as
 `tools/gpu/lab.py` runs them, plus the fixtures its set-up builds. lab.py keeps the running:
 order, slots, resume across calls, stopping. `load_studies` and `plan` fail with one line
 per problem (`StudyError`).
@@ -95,6 +96,9 @@ class Job(BaseModel):
         return self
 
 
+GIVEN = ("stamp", "python", "gpu")  # template names every study has
+
+
 class Study(BaseModel):
     """One study file: its jobs in priority order and what they share."""
 
@@ -115,9 +119,9 @@ class Study(BaseModel):
     @classmethod
     def _var_names(cls, v: dict[str, str]) -> dict[str, str]:
         bad = [k for k in v if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k)
-               or k in ("stamp", "python")]
+               or k in GIVEN]
         if bad:
-            raise ValueError(f"vars: {bad} (names are identifiers; stamp and python are given)")
+            raise ValueError(f"vars: {bad} (names are identifiers; {', '.join(GIVEN)} are given)")
         return v
 
 
@@ -205,8 +209,17 @@ def load_studies(directory: Path | None = None) -> list[Study]:
     return sorted((load_study(p) for p in found), key=lambda s: (s.order, s.name))
 
 
-def plan(stamp: str, python: str = sys.executable, studies: list[Study] | None = None) -> Plan:
-    """The lab's jobs for one stamp, in priority order, with the set-up's fixtures."""
+def gpu_tag(name: str) -> str:
+    """A run-folder prefix for a GPU model from its `nvidia-smi` name: "NVIDIA H100 80GB HBM3"
+    -> h100, "NVIDIA H200" -> h200, "NVIDIA B200" -> b200; "gpu" for a name without a model number."""
+    m = re.search(r"\b([A-Z]{0,2}\d{3,4})\b", name.upper())
+    return m.group(1).lower() if m else "gpu"
+
+
+def plan(stamp: str, python: str = sys.executable, studies: list[Study] | None = None,
+         gpu: str = "h200") -> Plan:
+    """The lab's jobs for one stamp and GPU model (`gpu_tag`), in priority order, with the
+    set-up's fixtures."""
     studies = load_studies() if studies is None else studies
     jobs: list[PlannedJob] = []
     fixtures: list[str] = []
@@ -214,7 +227,7 @@ def plan(stamp: str, python: str = sys.executable, studies: list[Study] | None =
     setup_runs = []
     problems = []
     for st in studies:
-        values = {"stamp": stamp, "python": python}
+        values = {"stamp": stamp, "python": python, "gpu": gpu}
         try:
             for k, v in st.vars.items():
                 values[k] = _fill(v, values, f"{st.name}: vars.{k}")

@@ -66,6 +66,16 @@ def stamp_label() -> str:
     return os.environ.get("LAB_STAMP") or time.strftime("%Y%m%d")
 
 
+def gpu_name() -> str:
+    """The first GPU's name from nvidia-smi ("" where there is none: --list on a CPU machine)."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                             capture_output=True, text=True, check=False).stdout
+    except OSError:
+        return ""
+    return out.splitlines()[0].strip() if out.strip() else ""
+
+
 RELEASE = current_release()
 RELTAG = RELEASE and studies.release_tag(RELEASE)  # e.g. vllm022
 STAMP = studies.stamp(stamp_label(), RELEASE)  # run-folder suffix, e.g. 20261201-vllm022
@@ -73,7 +83,8 @@ STAMP = studies.stamp(stamp_label(), RELEASE)  # run-folder suffix, e.g. 2026120
 # The jobs (src/speclab/studies/*.yaml, in priority order): name, GPUs, timeout (s), command,
 # run folders it writes (under data/runs), env, whether failing is its result, the vLLM release
 # it needs, jobs it must start after, whether it needs its GPUs to itself (timing)
-PLAN = studies.plan(STAMP, PY)
+GPU = studies.gpu_tag(gpu_name() or "H200")  # <gpu> in run folders; --list elsewhere: h200
+PLAN = studies.plan(STAMP, PY, gpu=GPU)
 JOBS: list[dict] = [j.lab_dict() for j in PLAN.jobs]
 FIXTURES = PLAN.fixtures  # what the set-up builds
 DIAL = PLAN.setup_run  # the set-up's selftest.json and env.json go here
@@ -305,7 +316,7 @@ def pick(todo: list[dict], free: dict[str, int], slots: int, ended: set[str],
 def list_jobs(release: str | None) -> int:
     """Print the plan: every job, or those of `release` with that release's stamp."""
     plan = PLAN if release in (None, RELEASE) else studies.plan(
-        studies.stamp(stamp_label(), release), PY)
+        studies.stamp(stamp_label(), release), PY, gpu=GPU)
     jobs = [j for j in plan.jobs if release is None or j.vllm == release]
     print(f"stamp {plan.stamp}; set-up builds fixtures {', '.join(plan.fixtures)}")
     for j in jobs:

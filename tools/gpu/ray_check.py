@@ -9,8 +9,9 @@ forwarding; --gpus N declares N GPUs, for a machine without them), places one po
 profile in a STRICT_PACK placement group with the resources the executor asks for
 (executor_ray.bundles, task_options), and runs a task there that reports its node, GPU ids
 and CUDA_VISIBLE_DEVICES and imports speclab and --modules, in the task and in a process it
-starts (as launch.run_point starts the point's worker). One line per check; exit 1 if any
-fails. Seconds, no GPU work."""
+starts (as launch.run_point starts the point's worker), and the niceness they run at (Ray's
+workers start at 15; the point's must run at the driver's). One line per check; exit 1 if
+any fails. Seconds, no GPU work."""
 
 import argparse
 import os
@@ -28,18 +29,26 @@ def probe(modules: list[str]) -> dict:
 
     import ray
 
+    from speclab import executor_ray
+
+    started_at = os.getpriority(os.PRIO_PROCESS, 0)
+    nice = executor_ray.node_niceness()
     missing = []
     for m in modules:
         try:
             importlib.import_module(m)
         except ImportError as e:
             missing.append(f"{m}: {e}")
-    child = subprocess.run([sys.executable, "-c", f"import {', '.join(modules)}"],
+    code = ("import os; print(os.getpriority(os.PRIO_PROCESS, 0), flush=True); "
+            f"import {', '.join(modules)}")
+    child = subprocess.run([sys.executable, "-c", code],
                            capture_output=True, text=True, check=False)
     return {"node_id": ray.get_runtime_context().get_node_id(),
             "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
             "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
-            "missing": missing, "child_rc": child.returncode, "child_err": child.stderr[-500:]}
+            "missing": missing, "child_rc": child.returncode, "child_err": child.stderr[-500:],
+            "nice": (started_at, nice,
+                     int(child.stdout.split()[0]) if child.stdout.strip() else None)}
 
 
 def main(argv=None) -> int:
@@ -63,8 +72,7 @@ def main(argv=None) -> int:
     modules = ["speclab", *filter(None, a.modules.split(","))]
     print(f"ray {ray.__version__} from {Path(ray.__file__).parent}")
     t0 = time.time()
-    ray.init(log_to_driver=False, include_dashboard=False,
-             **({} if a.gpus is None else {"num_gpus": a.gpus}))
+    executor_ray.connect(None, **({} if a.gpus is None else {"num_gpus": a.gpus}))
     bad = 0
     try:
         res = executor_ray.resource(prof)
@@ -88,7 +96,10 @@ def main(argv=None) -> int:
                       out["gpu_ids"] and out["cuda_visible_devices"] == ",".join(
                           out["gpu_ids"])),
                   f"{', '.join(modules)} in the task": not out["missing"],
-                  f"{', '.join(modules)} in its child": out["child_rc"] == 0}
+                  f"{', '.join(modules)} in its child": out["child_rc"] == 0,
+                  "niceness {} at the task's start, {} after node_niceness, {} in its child "
+                  "(the driver's: {})".format(*out["nice"], os.getpriority(os.PRIO_PROCESS, 0)):
+                      out["nice"][1:] == (os.getpriority(os.PRIO_PROCESS, 0),) * 2}
         for what, ok in checks.items():
             print(f"{'ok  ' if ok else 'FAIL'} {what}")
             bad += not ok

@@ -208,8 +208,8 @@ def test_ray_check_places_a_gpu_point_like_the_executor_and_reports_a_missing_mo
     """tools/gpu/ray_check.py (the device's check of the Ray layer) on a Ray instance with a
     GPU declared: the realshape-ray-h200 point gets its placement group's node, GPU 0 as
     CUDA_VISIBLE_DEVICES and speclab in the task and its child; a module the task cannot
-    import fails the check. Its workers run at the driver's niceness, not Ray's 15 (which
-    slowed 4 of 6 host-bound passes on an H100 by 12-31%): the instance it starts as the
+    import fails the check. Its workers run at the driver's niceness, not Ray's 15 (the likely
+    cause of 4 of 6 host-bound passes 12-31% slow on an H100): the instance it starts as the
     executor does sets their niceness to 0; where the instance keeps 15 (the control), the
     task lowers its own where the OS allows it (root) and the check fails where it does not."""
     def check(**env):

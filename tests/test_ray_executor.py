@@ -286,6 +286,7 @@ def test_ray_sweep_on_a_local_cluster(tmp_path, fixture_cache, smoke_suite, monk
             # Ray's workers start at niceness 15; the point's task moves back to the raylet's
             assert ex["nice"] == (os.getpriority(os.PRIO_PROCESS, 0) if os.geteuid() == 0
                                   else 15), ex
+            assert {p["nice"] for p in m["passes"]} == {ex["nice"]}  # the engine's too
             assert ex["retries"][0]["node_id"] != ex["node_id"]  # rerun elsewhere
             assert m["side_by_side"] == [j for j in ids if j != i]
             assert [p["round"] for p in m["passes"]] == [1, 2], m["passes"]
@@ -298,6 +299,7 @@ def test_ray_sweep_on_a_local_cluster(tmp_path, fixture_cache, smoke_suite, monk
         for i in ids:
             ref = store.read_meta(local_dir, i)
             assert ref["status"] == "ok" and "executor" not in ref, i
+            assert {p["nice"] for p in ref["passes"]} == {os.getpriority(os.PRIO_PROCESS, 0)}
             assert (metas[i]["sampling"], metas[i]["engine_args"]) == (
                 ref["sampling"], ref["engine_args"]), i
             assert metas[i]["counters"] == ref["counters"], i

@@ -60,9 +60,11 @@ def timed_pass(llm, prompt_ids, sp, concurrency) -> tuple[list[dict], dict]:
     traces = engine.generate_stepwise(llm, prompt_ids, sp, concurrency)
     gen_s = time.perf_counter() - g0
     n_out = sum(len(tr.get("output_token_ids", [])) for tr in traces)
-    # the 1-minute load average: other work on the machine shows in it
+    # the 1-minute load average: other work on the machine shows in it; the niceness the
+    # engine ran at (Ray's workers start at 15: executor_ray)
     return traces, {"generate_s": gen_s, "output_tokens": n_out, "tok_s": n_out / gen_s,
-                    "at": time.time(), "load_avg_1m": os.getloadavg()[0]}
+                    "at": time.time(), "load_avg_1m": os.getloadavg()[0],
+                    "nice": os.getpriority(os.PRIO_PROCESS, 0)}
 
 
 def preload() -> None:

@@ -211,7 +211,8 @@ def load_studies(directory: Path | None = None) -> list[Study]:
 
 def gpu_tag(name: str) -> str:
     """A run-folder prefix for a GPU model from its `nvidia-smi` name: "NVIDIA H100 80GB HBM3"
-    -> h100, "NVIDIA H200" -> h200, "NVIDIA B200" -> b200; "gpu" for a name without a model number."""
+    -> h100, "NVIDIA H200" -> h200, "NVIDIA B200" -> b200; "gpu" for a name without a model
+    number."""
     m = re.search(r"\b([A-Z]{0,2}\d{3,4})\b", name.upper())
     return m.group(1).lower() if m else "gpu"
 

@@ -70,8 +70,10 @@ def test_failed_point_keeps_its_error(tmp_path):
     assert not (tmp_path / "points" / f"{p.id}.parquet").exists()
 
 
-def _run(run_dir: Path, counters: dict, tokens: list[int], tok_s: list[float]) -> Path:
-    """A run folder holding one ok k = 3 point: its counters, one request, timed passes."""
+def _run(run_dir: Path, counters: dict, tokens: list[int], tok_s: list[float],
+         nice: list[int] | None = None) -> Path:
+    """A run folder holding one ok k = 3 point: its counters, one request, timed passes (with
+    the niceness each ran at, where given)."""
     p = Point(k=3, draft_kv_cache_dtype="auto")
     rec = store.RequestRecord(
         point_id=p.id, k=3, kv_cache_dtype="auto", layout="tp1", prompt_format="raw",
@@ -81,18 +83,19 @@ def _run(run_dir: Path, counters: dict, tokens: list[int], tok_s: list[float]) -
     store.write_point(run_dir, store.PointResult(
         point_id=p.id, status="ok", point=p.model_dump(mode="json"), counters=counters,
         throughput_tok_s=sum(tok_s) / len(tok_s),
-        passes=[{"round": i + 1, "tok_s": t} for i, t in enumerate(tok_s)]), [rec])
+        passes=[{"round": i + 1, "tok_s": t, **({"nice": nice[i]} if nice else {})}
+                for i, t in enumerate(tok_s)]), [rec])
     return run_dir
 
 
 COMPARE = runpy.run_path(str(Path(__file__).parents[1] / "tools/gpu/compare_counters.py"))
 
 
-def _compare(tmp_path, capsys, b_counters, b_tokens, b_tok_s):
+def _compare(tmp_path, capsys, b_counters, b_tokens, b_tok_s, nice=(None, None)):
     c = {"num_drafts": 1, "num_draft_tokens": 3, "num_accepted_tokens": 2,
          "accepted_per_pos": [1, 1, 0]}
-    a = _run(tmp_path / "a", c, [5, 6, 7], [100.0, 104.0, 96.0])
-    b = _run(tmp_path / "b", b_counters or c, b_tokens, b_tok_s)
+    a = _run(tmp_path / "a", c, [5, 6, 7], [100.0, 104.0, 96.0], nice[0])
+    b = _run(tmp_path / "b", b_counters or c, b_tokens, b_tok_s, nice[1])
     out = tmp_path / "compare.json"
     rc = COMPARE["main"]([str(a), str(b), "--out", str(out)])
     return rc, capsys.readouterr().out, json.loads(out.read_text())
@@ -101,16 +104,20 @@ def _compare(tmp_path, capsys, b_counters, b_tokens, b_tok_s):
 def test_compare_counters_checks_counters_and_tokens_and_reports_throughput(tmp_path, capsys):
     """tools/gpu/compare_counters.py (the Ray job's check): rc 1 on a counter or token
     difference; throughput against each run's 95% interval (t over 3 rounds: 100 +- 9.9)
-    reported, within or outside, without failing."""
+    reported, within or outside, without failing; the niceness the passes ran at beside it."""
     rc, out, rep = _compare(tmp_path / "same", capsys, None, [5, 6, 7], [101.0, 99.0, 103.0])
     assert rc == 0, out
     assert "counters equal, tokens equal; tok/s 100.0 [90.1, 109.9] vs 101.0 [96.0, 106.0] " \
         "(3 and 3 rounds): within" in out
     assert (rep["identical"], rep["within"]) == (1, 1)
     assert rep["points"][0]["b"] == {"tok_s": 101.0, "lo": pytest.approx(96.03, abs=0.01),
-                                     "hi": pytest.approx(105.97, abs=0.01), "rounds": 3}
-    rc, out, rep = _compare(tmp_path / "slow", capsys, None, [5, 6, 7], [70.0, 71.0, 72.0])
-    assert rc == 0 and ": OUTSIDE" in out and rep["within"] == 0
+                                     "hi": pytest.approx(105.97, abs=0.01), "rounds": 3,
+                                     "nice": []}
+    assert "niceness" not in out  # runs from before the passes recorded it
+    rc, out, rep = _compare(tmp_path / "slow", capsys, None, [5, 6, 7], [70.0, 71.0, 72.0],
+                            nice=([0, 0, 0], [15, 0, 15]))
+    assert rc == 0 and ": OUTSIDE; niceness 0 vs 0,15" in out and rep["within"] == 0
+    assert rep["points"][0]["b"]["nice"] == [0, 15]
     rc, out, _ = _compare(tmp_path / "tokens", capsys, None, [5, 6, 8], [101.0, 99.0, 103.0])
     assert rc == 1 and "tokens differ" in out
     other = {"num_drafts": 1, "num_draft_tokens": 3, "num_accepted_tokens": 1,

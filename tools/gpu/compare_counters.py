@@ -5,8 +5,9 @@
 For each point both measured (status ok): the speculative-decoding counters and output tokens,
 which must be identical, and each run's throughput with its 95% interval over the timing
 rounds (speclab.analysis.speed): "within" when each run's mean lies inside the other's
-interval ("no interval" below 2 rounds). Prints one line per shared point; --out writes the
-same as JSON. Exits 1 if any counters or tokens differ or no point is shared; throughput
+interval ("no interval" below 2 rounds), and the niceness each run's engines ran at where
+its passes recorded it (Ray's workers start at 15). Prints one line per shared point; --out
+writes the same as JSON. Exits 1 if any counters or tokens differ or no point is shared; throughput
 outside the intervals is reported (a measurement), not an error."""
 
 import argparse
@@ -19,12 +20,14 @@ from speclab import analysis, store
 
 
 def speeds(points) -> dict[str, dict]:
-    """Point id -> {tok_s, lo, hi, rounds} of a run's ok points."""
-    rounds = {r.point_id: len(r.passes) if isinstance(r.passes, list) else 1
+    """Point id -> {tok_s, lo, hi, rounds, nice} of a run's ok points; nice: the niceness
+    values its passes recorded, sorted (empty where none did)."""
+    passes = {r.point_id: r.passes if isinstance(r.passes, list) else [{}]
               for r in points.itertuples()}
     num = lambda x: None if math.isnan(x) else float(x)
     return {r.point_id: {"tok_s": num(r.throughput_tok_s), "lo": num(r.tput_lo),
-                         "hi": num(r.tput_hi), "rounds": rounds[r.point_id]}
+                         "hi": num(r.tput_hi), "rounds": len(passes[r.point_id]),
+                         "nice": sorted({p["nice"] for p in passes[r.point_id] if "nice" in p})}
             for r in analysis.speed(points).itertuples()}
 
 
@@ -57,9 +60,11 @@ def line(r: dict) -> str:
                                                if x["lo"] is not None else "")
                        for x in (r["a"], r["b"]))
     verdict = {True: "within", False: "OUTSIDE", None: "no interval"}[r["throughput_within"]]
+    nice = " vs ".join(",".join(map(str, x["nice"])) or "?" for x in (r["a"], r["b"]))
     return (f"{r['point_id']}: counters {'equal' if r['counters_equal'] else f'{ca} != {cb}'}, "
             f"tokens {'equal' if r['tokens_equal'] else 'differ'}; tok/s {tput} "
-            f"({r['a']['rounds']} and {r['b']['rounds']} rounds): {verdict}")
+            f"({r['a']['rounds']} and {r['b']['rounds']} rounds): {verdict}"
+            + (f"; niceness {nice}" if r["a"]["nice"] or r["b"]["nice"] else ""))
 
 
 def main(argv=None) -> int:

@@ -7,8 +7,8 @@ which must be identical, and each run's throughput with its 95% interval over th
 rounds (speclab.analysis.speed): "within" when each run's mean lies inside the other's
 interval ("no interval" below 2 rounds), and the niceness each run's engines ran at where
 its passes recorded it (Ray's workers start at 15). Prints one line per shared point; --out
-writes the same as JSON. Exits 1 if any counters or tokens differ or no point is shared; throughput
-outside the intervals is reported (a measurement), not an error."""
+writes the same as JSON. Exits 1 if any counters or tokens differ or no point is shared;
+throughput outside the intervals is reported (a measurement), not an error."""
 
 import argparse
 import json

@@ -18,7 +18,8 @@ HOOK=$GIT/hooks/pre-commit
 
 size() {
   { git ls-files -z; git ls-files -z -o --exclude-standard; } \
-    | xargs -0 -r stat -c %s 2>/dev/null | awk '{s += $1} END {printf "%.1f MiB travel\n", s / 2^20}'
+    | xargs -0 -r stat -c %s 2>/dev/null \
+    | awk '{s += $1} END {printf "%.1f MiB travel\n", s / 2^20}'
 }
 
 off() {
@@ -34,8 +35,8 @@ on)
   off
   mkdir -p "$GIT/hooks"
   [ ! -e "$HOOK" ] || { echo "lean.sh: $HOOK exists; not replacing it" >&2; exit 2; }
-  printf '#!/bin/sh\n%s\necho "tools/gpu/lean.sh is on: run it with off before committing" >&2\nexit 1\n' \
-    "$MARK" > "$HOOK"
+  printf '#!/bin/sh\n%s\necho "%s" >&2\nexit 1\n' "$MARK" \
+    "tools/gpu/lean.sh is on: run it with off before committing" > "$HOOK"
   chmod +x "$HOOK"
   git rm -r -q --cached data/runs figures
   for run in "$@"; do

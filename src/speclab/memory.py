@@ -471,16 +471,22 @@ def estimate(profile, point, gpu: str | None, files: dict[str, Files] | None = N
                     budget_label=label, notes=notes)
 
 
-def local_gpu() -> str | None:
-    """This machine's GPU as a `GPUS` name (nvidia-smi), if it has one of them."""
+def local_gpu_name() -> str:
+    """This machine's first GPU as nvidia-smi names it ("NVIDIA H100 80GB HBM3"); "" where
+    there is none."""
     import shutil
     import subprocess
 
     if not shutil.which("nvidia-smi"):
-        return None
+        return ""
     out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
                          check=False, capture_output=True, text=True).stdout
-    return gpu_named(out)
+    return out.splitlines()[0].strip() if out.strip() else ""
+
+
+def local_gpu() -> str | None:
+    """This machine's GPU as a `GPUS` name (nvidia-smi), if it has one of them."""
+    return gpu_named(local_gpu_name())
 
 
 def gpu_for(profile, gpu: str | None = None) -> str | None:

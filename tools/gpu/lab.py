@@ -41,7 +41,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "src"))  # speclab from this checkout (the device has no install)
-from speclab import studies
+from speclab import memory, studies
 
 STATE = Path(os.environ.get("LAB_STATE", "/tmp/speclab_lab"))  # one per concurrent lab.py
 PY = sys.executable
@@ -66,16 +66,6 @@ def stamp_label() -> str:
     return os.environ.get("LAB_STAMP") or time.strftime("%Y%m%d")
 
 
-def gpu_name() -> str:
-    """The first GPU's name from nvidia-smi ("" where there is none: --list on a CPU machine)."""
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
-                             capture_output=True, text=True, check=False).stdout
-    except OSError:
-        return ""
-    return out.splitlines()[0].strip() if out.strip() else ""
-
-
 RELEASE = current_release()
 RELTAG = RELEASE and studies.release_tag(RELEASE)  # e.g. vllm022
 STAMP = studies.stamp(stamp_label(), RELEASE)  # run-folder suffix, e.g. 20261201-vllm022
@@ -83,7 +73,7 @@ STAMP = studies.stamp(stamp_label(), RELEASE)  # run-folder suffix, e.g. 2026120
 # The jobs (src/speclab/studies/*.yaml, in priority order): name, GPUs, timeout (s), command,
 # run folders it writes (under data/runs), env, whether failing is its result, the vLLM release
 # it needs, jobs it must start after, whether it needs its GPUs to itself (timing)
-GPU = studies.gpu_tag(gpu_name() or "H200")  # <gpu> in run folders; --list elsewhere: h200
+GPU = studies.gpu_tag(memory.local_gpu_name() or "H200")  # <gpu>; --list on a CPU: h200
 PLAN = studies.plan(STAMP, PY, gpu=GPU)
 JOBS: list[dict] = [j.lab_dict() for j in PLAN.jobs]
 FIXTURES = PLAN.fixtures  # what the set-up builds

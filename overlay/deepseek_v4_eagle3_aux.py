@@ -45,6 +45,10 @@ PLATFORM_PACKAGE = "vllm.models.deepseek_v4"  # vLLM >= 0.22: imports the platfo
 GPU_MODEL_RUNNER = "vllm.v1.worker.gpu_model_runner"  # the v1 runner (gone in 0.34)
 MRV2_AUX = "vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils"  # Model Runner V2's aux setup
 MARK = "_dsv4_eagle3_overlay"
+INVARIANT_MODULES = (  # vLLM's batch-invariant ops (VLLM_BATCH_INVARIANT=1)
+    "vllm.model_executor.layers.batch_invariant",  # 0.21-0.28
+    "vllm.model_executor.determinism.batch_invariant",  # 0.29+
+)
 NATIVE_SINCE = {"nvidia": "0.25.0", "amd": "0.26.0", "xpu": "0.26.0", "cpu": "0.30.0"}
 """First release whose platform model supports EAGLE-3 natively (checked against the matrix)."""
 ADVICE = {
@@ -343,6 +347,60 @@ def _set_aux_mapped(orig, self, layers):
                                      self.get_eagle3_default_aux_hidden_state_layers()))
 
 
+# --------------------------------------------------------------------------- batch invariance
+def invariant_facts(src: base.Source) -> dict:
+    """Whether vLLM's batch-invariant ``aten::mean.dim`` (``mean_batch_invariant``, registered
+    under ``VLLM_BATCH_INVARIANT=1``) returns its input's dtype when no dtype is asked, as
+    ``torch.mean`` does: 0.21-0.31 compute in float32 and return it; 0.32 casts back
+    (``return result if dtype is not None else result.to(input.dtype)``)."""
+    import ast
+
+    module = next((m for m in INVARIANT_MODULES if src.has_module(m)), None)
+    fn = None if module is None else src.node(module, "mean_batch_invariant")
+    return {"module": module, "mean": fn is not None,
+            "keeps_dtype": fn is not None and any(
+                isinstance(n, ast.Return) and "input.dtype" in ast.unparse(n)
+                for n in ast.walk(fn))}
+
+
+def invariant_plan(facts: dict) -> dict:
+    """``invariant-mean``: not needed | native | patched."""
+    if not facts["mean"]:
+        return {"invariant-mean": base.plan_entry("not needed", {}, (
+            "no batch-invariant mean"))}
+    if facts["keeps_dtype"]:
+        return {"invariant-mean": base.plan_entry("native", {}, (
+            "mean_batch_invariant returns the input's dtype"))}
+    return {"invariant-mean": base.plan_entry("patched", {
+        "invariant-mean": f"{facts['module']}.mean_batch_invariant"}, (
+        "under VLLM_BATCH_INVARIANT=1 vLLM's mean returns float32 for bfloat16 input, so the "
+        "aux states (the mean over the hc streams) reach the draft's fc as float32 and its "
+        "batch-invariant matmul asserts 'Incompatible dtypes' (vLLM 0.26.0 on an H200). The "
+        "mean is cast back to the input's dtype when no dtype is asked, as vLLM >= 0.32 does"))}
+
+
+def _mean_keeping_dtype(orig, input, dim, keepdim=False, dtype=None):  # noqa: A002 (vLLM's)
+    result = orig(input, dim, keepdim, dtype)
+    return result if dtype is not None else result.to(input.dtype)
+
+
+def patch_invariant(module) -> None:
+    """Import hook for vLLM's batch-invariant ops: the mean keeps its input's dtype. vLLM
+    registers ``mean_batch_invariant`` (looked up by name) when it turns batch invariance
+    on at worker start, after this import."""
+    facts = invariant_facts(base.Source())
+    targets = base.adopt("engine", invariant_plan(facts), "invariant", facts)
+    if base.mode() == "off" or not targets:
+        return
+    module.mean_batch_invariant = base._wrap(module.mean_batch_invariant, _mean_keeping_dtype)
+    if getattr(module, "_batch_invariant_MODE", False):
+        base.record("invariant-mean", targets["invariant-mean"], "failed",
+                    "batch invariance was on before the overlay was installed; load the "
+                    "overlay from its .pth line")
+    else:
+        base.record("invariant-mean", targets["invariant-mean"], "applied")
+
+
 # --------------------------------------------------------------------------- the plan
 def _bases(node) -> list[str]:
     import ast
@@ -465,6 +523,7 @@ def release_facts(src: base.Source) -> dict:
         "draft": base.draft_facts(src),
         "kv": base.kv_facts(src),
         "breakable": base.breakable_facts(src),
+        "invariant": invariant_facts(src),
         "runner": runner_facts(src),
     }
 
@@ -473,7 +532,8 @@ def release_plan(facts: dict) -> dict:
     """The per-feature plan for a release: per platform model module, then engine-wide."""
     return {"platforms": {p: model_plan(f, p) for p, f in facts["models"].items()},
             "engine": {**base.draft_plan(facts["draft"]), **base.kv_plan(facts["kv"]),
-                       **base.breakable_plan(facts["breakable"])}}
+                       **base.breakable_plan(facts["breakable"]),
+                       **invariant_plan(facts["invariant"])}}
 
 
 # --------------------------------------------------------------------------- applying it
@@ -542,8 +602,8 @@ def probe() -> dict:
     import importlib
 
     errors = {}
-    for name in (*base.KV_MODULES, base.PROPOSER, base.EAGLE_LOADER, PLATFORM_PACKAGE,
-                 MODEL_MODULES["all"]):
+    for name in (*base.KV_MODULES, base.PROPOSER, base.EAGLE_LOADER, *INVARIANT_MODULES,
+                 PLATFORM_PACKAGE, MODEL_MODULES["all"]):
         try:
             if base.module_exists(name):
                 importlib.import_module(name)
@@ -555,5 +615,7 @@ def probe() -> dict:
 def install() -> None:
     """Register all import hooks (idempotent; imports neither torch nor vLLM)."""
     base.install()
+    for module in INVARIANT_MODULES:
+        base.when_imported(module, patch_invariant)
     for module in MODEL_MODULES.values():
         base.when_imported(module, patch_model)

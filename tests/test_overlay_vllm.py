@@ -77,6 +77,7 @@ def test_in_process_facts_and_plan_equal_the_matrix(probe):
     assert rep["facts"].get("breakable") == (rel["facts"]["breakable"] if has_breaks else None)
     assert rep["plan"]["engine"] == {k: v for k, v in rel["plan"]["engine"].items()
                                      if has_breaks or k != "eager-breaks"}
+    assert rep["facts"]["invariant"] == rel["facts"]["invariant"]
     assert probe["runner"] == rel["facts"]["runner"]
 
 
@@ -194,3 +195,16 @@ def test_the_draft_gets_its_own_cache_config(probe):
             else None)
     else:
         assert "native_option" not in dc
+
+
+def test_the_batch_invariant_mean_keeps_the_aux_states_dtype(probe):
+    """Under VLLM_BATCH_INVARIANT=1 the aux states are vLLM's batch-invariant mean over the hc
+    streams. As shipped up to 0.31 it returns float32 for bfloat16 input (the control: the
+    defect in each release's own function), which the draft's fc rejected on the H200
+    ('Incompatible dtypes', vLLM 0.26.0); patched, and natively from 0.32, bfloat16."""
+    inv = probe["invariant_mean"]
+    action = probe["release"]["plan"]["engine"]["invariant-mean"]["action"]
+    assert action in ("patched", "native")
+    assert inv["shipped"] == ("torch.float32" if action == "patched" else "torch.bfloat16")
+    assert inv["patched"] == "torch.bfloat16" and inv["close"]
+    assert inv["asked_float32"] == "torch.float32"  # an explicit dtype is kept

@@ -74,6 +74,9 @@ with open(out / "driver.log", "a") as f:
     f.write(f"call {n} BUNDLE={os.environ.get('BUNDLE')} {' '.join(sys.argv[1:])}\\n")
 if n >= 1:  # the job's own timeout cut the first run; the second finishes it
     (state / "done.json").write_text(json.dumps(["mtp-026"]))
+(state / "logs").mkdir(exist_ok=True)
+(state / "logs" / "mtp-026.log").write_text(
+    "=== job header\\nengine noise\\n[speclab] sweep p: 1/2 k0_x ok on vm in 5 s; ETA 5 s\\n")
 """
 
 
@@ -93,6 +96,9 @@ def test_labd_runs_lab_detached_until_the_job_is_done_and_collect_copies_it(tmp_
     r = subprocess.run(["bash", "tools/gpu/labd.sh", "collect", "60"], cwd=root, env=env,
                        capture_output=True, text=True, check=False)
     assert "labd ended" in r.stdout, r.stdout + r.stderr
+    # each job's progress is printed: the sweep's lines, not the engine's
+    assert "== mtp-026" in r.stdout and "1/2 k0_x ok on vm" in r.stdout
+    assert "engine noise" not in r.stdout
     log = (out / "driver.log").read_text().splitlines()
     assert [line.split()[:3] for line in log] == [["call", "0", "BUNDLE=ok"],
                                                  ["call", "1", "BUNDLE=ok"]]

@@ -57,6 +57,12 @@ collect)
   tail -n 100 "$LABD/labd.out" > "$OUT/labd.out" 2>/dev/null
   grep -q "^labd done" "$LABD/labd.out" && echo "labd ended" || echo "labd still running"
   tail -n 30 "$LABD/out/driver.log"
+  # each job's progress so far (the sweep's one line per point), so a call need not go look
+  for log in "${LAB_STATE:-/tmp/speclab_lab}"/logs/*.log; do
+    [ -e "$log" ] || continue
+    echo "== $(basename "$log" .log)"
+    grep -E "^\[speclab\] (sweep|point)|points ok|^=== " "$log" | tail -n 6 | cut -c1-220
+  done
   cat "$LABD"/repo/data/runs/*/mtp_check.json 2>/dev/null | head -60
   # compare_counters.py's verdicts (the Ray jobs): its lines end with this summary
   grep -h -B 4 "shared points identical" "${LAB_STATE:-/tmp/speclab_lab}"/logs/*.log \

@@ -379,7 +379,7 @@ def invariant_plan(facts: dict) -> dict:
         "mean is cast back to the input's dtype when no dtype is asked, as vLLM >= 0.32 does"))}
 
 
-def _mean_keeping_dtype(orig, input, dim, keepdim=False, dtype=None):  # noqa: A002 (vLLM's)
+def _mean_keeping_dtype(orig, input, dim, keepdim=False, dtype=None):  # vLLM's names
     result = orig(input, dim, keepdim, dtype)
     return result if dtype is not None else result.to(input.dtype)
 

@@ -327,9 +327,13 @@ def _at_least(low: int):
     """An argparse type: a whole number of at least `low` (a count, k), checked as argparse
     reads it, before anything loads."""
     def whole(value: str) -> int:
-        if not value.lstrip("-").isdigit() or int(value) < low:
+        try:
+            n = int(value)
+        except ValueError:
+            n = None
+        if n is None or n < low:
             raise argparse.ArgumentTypeError(f"{value!r}: a whole number of at least {low}")
-        return int(value)
+        return n
 
     return whole
 

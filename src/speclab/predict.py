@@ -570,8 +570,9 @@ def error_budget(validated: pd.DataFrame, anatomy: pd.DataFrame) -> pd.DataFrame
     """Where the model's error goes, per speculative point with a split pass that timed the
     target's forward: the measured step less the predicted one (`validated`, what `validate`
     returns), `err_ms`, as the sum of what the model prices otherwise or leaves out
-    (`anatomy`, what `step_anatomy` returns; several runs' split passes of a point averaged): `verify_extra_ms`, the verify forward less the plain step at
-    its rows (which holds plain's own sampling and idle time); `sampling_ms`, sampling less the
+    (`anatomy`, what `step_anatomy` returns; several runs' split passes of a point
+    averaged): `verify_extra_ms`, the verify forward less the plain step at its rows (which
+    holds plain's own sampling and idle time); `sampling_ms`, sampling less the
     drafter inside it (rejection and bookkeeping); `drafter_ms`, the drafter in the split pass
     less the one priced; `tail_extra_ms`, the batch's tail measured less predicted; `idle_ms`,
     the step the GPU waits for the host; `rest_ms`, what is left (mean against median steps)."""

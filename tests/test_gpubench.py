@@ -30,7 +30,7 @@ def fake_pair(tmp_path, monkeypatch):
     (t / "dsv4_fixture.json").write_text(json.dumps({"seed": 0, "params": {"mismatch": 0.3}}))
     (t / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": 2**30}}))
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(FAKES), os.environ.get("PYTHONPATH", "")]))
-    monkeypatch.setattr(G, "gpu_memory", lambda: (139.8, 0.5))
+    monkeypatch.setattr(G.gpus, "memory_gib", lambda index=0: (139.8, 0.5))
     monkeypatch.setattr(G, "START_GAP_S", 0)
     return {(4, "fp4", 4, False): (str(t), str(tmp_path / "draft")),
             (4, "fp4", 4, True): (str(t), "")}  # the MTP's target: no draft

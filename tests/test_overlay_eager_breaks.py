@@ -20,6 +20,7 @@ import json
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -59,8 +60,12 @@ def probe(arm: str, **env) -> dict:
 
 @pytest.fixture(scope="module")
 def arms() -> dict:
-    return {"stock": probe("stock"), "overlay": probe("overlay"),
-            "off": probe("overlay", DSV4_EAGLE3_OVERLAY="off")}
+    """The three interpreters, two at a time (each is one import-bound process on one core)."""
+    cases = {"stock": ("stock", {}), "overlay": ("overlay", {}),
+             "off": ("overlay", {"DSV4_EAGLE3_OVERLAY": "off"})}
+    with ThreadPoolExecutor(2) as pool:
+        done = {name: pool.submit(probe, arm, **env) for name, (arm, env) in cases.items()}
+        return {name: f.result() for name, f in done.items()}
 
 
 def test_stock_vllm_loses_the_attention_break(arms):

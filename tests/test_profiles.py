@@ -57,7 +57,7 @@ def test_unknown_profile_lists_available():
 
 
 def test_profiles_hold_inputs_and_preflight_the_machine_checks():
-    machine = {"check_env", "installed_vllm", "vllm_kv_dtypes", "visible_gpus", "numa_nodes",
+    machine = {"check_env", "installed_vllm", "vllm_kv_dtypes", "numa_nodes",
                "engine_arg_names", "engine_key_problems"}
     assert not machine & set(vars(profiles)) and machine <= set(vars(preflight))
 

@@ -11,12 +11,12 @@ import hashlib
 import json
 import os
 import platform
-import shutil
-import subprocess
 from functools import cache
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
+
+from speclab import gpus
 
 # Bump when the worker's measurement changes what a finished point holds.
 METHOD = 2
@@ -101,7 +101,7 @@ def software() -> dict[str, str | None]:
 
 @cache
 def hardware() -> dict[str, Any]:
-    """CPU model and usable cores, GPU models (by `nvidia-smi -L`, without serial numbers)."""
+    """CPU model and usable cores, GPU models (`gpus.names`: no serial numbers)."""
     cpu = platform.processor() or platform.machine()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -110,13 +110,8 @@ def hardware() -> dict[str, Any]:
                 break
     except OSError:
         pass
-    gpus: list[str] = []
-    if shutil.which("nvidia-smi"):
-        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True)
-        gpus = [line.split(" (UUID")[0].split(": ", 1)[-1] for line in out.stdout.splitlines()
-                if line.startswith("GPU ")]
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return {"machine": platform.machine(), "cpu": cpu, "cpus": cores, "gpus": gpus}
+    return {"machine": platform.machine(), "cpu": cpu, "cpus": cores, "gpus": gpus.names()}
 
 
 def of_point(profile, point, *, mode: str = "offline", placement: dict | None = None

@@ -38,6 +38,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from speclab import gpus
 from speclab.benchplans import PLANS, REPEAT_ABOVE, Engine
 
 PROMPT_LEN = 256
@@ -481,14 +482,6 @@ def start_worker(eng: Engine, args: dict, state: Path) -> Worker:
     return Worker(eng, proc, os.fdopen(r), log_path)
 
 
-def gpu_memory() -> tuple[float, float]:
-    """(total, used) GiB of GPU 0 from nvidia-smi."""
-    q = subprocess.run(["nvidia-smi", "--query-gpu=memory.total,memory.used",
-                        "--format=csv,noheader,nounits"], capture_output=True, text=True,
-                       timeout=30, check=True).stdout.split("\n")[0].split(",")
-    return float(q[0]) / 1024, float(q[1]) / 1024
-
-
 def pack_groups(plan: list[Engine], weights_gib: dict[int, float], capacity_gib: float,
                 overhead_gib: float) -> list[list[Engine]]:
     """Consecutive engines of one layer count that fit `capacity_gib` together (at least
@@ -588,7 +581,7 @@ def _drive(state: Path, deadline: float, plan_name: str, rounds: int, paths, fh,
     for e in plan:
         weights[e.layers] = max(weights.get(e.layers, 0.0), index_gib(paths[e.fixture][0])
                                 + draft_gib(paths[e.fixture][1]))
-    total, used = gpu_memory()
+    total, used = gpus.memory_gib()
     overhead = OVERHEAD_GIB
     LOG.info(f"GPU {total:.1f} GiB ({used:.1f} used); weights GiB {weights}")
 
@@ -638,11 +631,11 @@ def _drive(state: Path, deadline: float, plan_name: str, rounds: int, paths, fh,
                 facts = log_facts("".join(f.read_text(errors="replace") for f in
                                           (w.log_path, serve_log(w.log_path)) if f.exists()))
                 row = {"engine": w.eng.name, **asdict(w.eng), **w.ready, "log_facts": facts,
-                       "gpu_used_gib": gpu_memory()[1]}
+                       "gpu_used_gib": gpus.memory_gib()[1]}
                 store.append_jsonl(engines_file, row)
                 LOG.info(f"{w.eng.name} ready in {w.ready['engine_init_s']} s: "
                          f"{w.ready['resolved']}")
-            used_now = gpu_memory()[1]
+            used_now = gpus.memory_gib()[1]
             overhead = max(1.0, (used_now - used - sum(weights[e.layers] for e in group)
                                  - sum(e.kv_bytes for e in group) / GIB) / len(group)) + 0.5
             LOG.info(f"GPU used {used_now:.1f} GiB with {len(group)} engines: overhead "
@@ -679,7 +672,7 @@ def _drive(state: Path, deadline: float, plan_name: str, rounds: int, paths, fh,
                     failures[w.eng.name] = failures.get(w.eng.name, 0) + 1
         for w in workers:
             w.stop()
-        used = gpu_memory()[1]
+        used = gpus.memory_gib()[1]
         remaining = runnable()
     LOG.info("driver done")
     return 0

@@ -36,6 +36,8 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
+from speclab import gpus
+
 GiB = 1 << 30
 MiB = 1 << 20
 # The memory vLLM multiplies by gpu_memory_utilization (CUDA's total: "Free memory on device
@@ -474,14 +476,7 @@ def estimate(profile, point, gpu: str | None, files: dict[str, Files] | None = N
 def local_gpu_name() -> str:
     """This machine's first GPU as nvidia-smi names it ("NVIDIA H100 80GB HBM3"); "" where
     there is none."""
-    import shutil
-    import subprocess
-
-    if not shutil.which("nvidia-smi"):
-        return ""
-    out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
-                         check=False, capture_output=True, text=True).stdout
-    return out.splitlines()[0].strip() if out.strip() else ""
+    return next(iter(gpus.names()), "")
 
 
 def local_gpu() -> str | None:

@@ -7,12 +7,10 @@ overlay, the aux-layer convention, the speculative methods (`methods.env_problem
 from __future__ import annotations
 
 import os
-import shutil
-import subprocess
 from functools import cache
 from pathlib import Path
 
-from speclab import convention, methods, prompts
+from speclab import convention, gpus, methods, prompts
 from speclab.profiles import Profile, prompt_file
 
 
@@ -38,7 +36,7 @@ def check_env(profile: Profile) -> list[str]:
                                         f"({', '.join(names)})")
         problems += engine_key_problems(profile)
     if profile.backend == "cuda" and profile.executor == "local":  # ray: checked on the cluster
-        have = visible_gpus()
+        have = gpus.visible_count()
         if have < profile.max_gpus:
             problems.append(f"needs {profile.max_gpus} GPUs (largest TP x DP in grid.layout), "
                             f"{have} visible")
@@ -136,17 +134,6 @@ def _vllm_source(rel: str) -> str:
     if spec is None or spec.origin is None:
         raise ModuleNotFoundError("vllm is not installed")
     return (Path(spec.origin).parent / rel).read_text()
-
-
-def visible_gpus() -> int:
-    if os.environ.get("CUDA_VISIBLE_DEVICES") == "":
-        return 0
-    if not shutil.which("nvidia-smi"):
-        return 0
-    out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True)
-    n = sum(1 for line in out.stdout.splitlines() if line.startswith("GPU "))
-    cvd = os.environ.get("CUDA_VISIBLE_DEVICES")
-    return min(n, len(cvd.split(","))) if cvd else n
 
 
 @cache

@@ -45,13 +45,15 @@ echo "labd done \$(date -u +%FT%TZ)"
 RUN
   setsid nohup bash "$LABD/run.sh" > "$LABD/labd.out" 2>&1 < /dev/null &
   echo "labd pid $! until $(date -d @$deadline +%T); setup $(( $(date +%s) - T0 )) s"
-  sleep 15; tail -n 5 "$LABD/labd.out" ;;
+  # its first lines (up to 15 s; at once when lab.py already ended, e.g. on a bad job name)
+  for _ in $(seq 15); do grep -q "^labd done" "$LABD/labd.out" 2>/dev/null && break; sleep 1; done
+  tail -n 5 "$LABD/labd.out" ;;
 collect)
   # a fresh machine (the warm one was given back) has no lab.py to wait for: say so at once
   [ -e "$LABD/labd.out" ] || { echo "no detached lab.py on this machine (a fresh one?)"; exit 4; }
   end=$(( T0 + ${2:?seconds} ))
   while [ "$(date +%s)" -lt "$end" ] && ! grep -q "^labd done" "$LABD/labd.out" 2>/dev/null; do
-    sleep 5
+    sleep 2
   done
   cp "$LABD"/out/* "$OUT"/ 2>/dev/null
   tail -n 100 "$LABD/labd.out" > "$OUT/labd.out" 2>/dev/null

@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -89,6 +90,7 @@ def pair(fixture_cache, module_tmp):
 
 
 def _vllm(target: Path, draft: Path, prompts: list, tmp_path: Path) -> dict:
+    tmp_path.mkdir(parents=True, exist_ok=True)
     pfile = tmp_path / "prompts.json"
     pfile.write_text(json.dumps(prompts))
     r = subprocess.run(
@@ -98,6 +100,18 @@ def _vllm(target: Path, draft: Path, prompts: list, tmp_path: Path) -> dict:
         env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
     assert r.returncode == 0, r.stderr[-4000:]
     return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def vllm_runs(pair) -> dict:
+    """`_vllm` of the oracle pair and of the rotated control on `_prompts()`, two engines side
+    by side (each is mostly imports on one core)."""
+    root = pair[0]
+    with ThreadPoolExecutor(2) as pool:
+        runs = {draft: pool.submit(_vllm, root / "target", root / draft, _prompts(),
+                                   root / f"run-{draft}")
+                for draft in ("draft", "draft-rotated")}
+        return {draft: f.result() for draft, f in runs.items()}
 
 
 def test_oracle_has_the_eagle31_features(pair):
@@ -136,10 +150,10 @@ def test_reference_drafts_token_plus_one(pair):
 
 
 @pytest.mark.vllm
-def test_vllm_counters_equal_the_counting_rule(pair, tmp_path):
-    root, succ, _ = pair
+def test_vllm_counters_equal_the_counting_rule(pair, vllm_runs):
+    _, succ, _ = pair
     prompts = _prompts()
-    res = _vllm(root / "target", root / "draft", prompts, tmp_path)
+    res = vllm_runs["draft"]
     assert res["base"] == [realshape.greedy(succ, p, MAX_TOKENS) for p in prompts]
     r = res["k"][str(K)]
     assert r["outputs"] == res["base"]
@@ -150,13 +164,13 @@ def test_vllm_counters_equal_the_counting_rule(pair, tmp_path):
 
 
 @pytest.mark.vllm
-def test_vllm_rejects_the_rotated_grouping_control(pair, tmp_path):
+def test_vllm_rejects_the_rotated_grouping_control(pair, vllm_runs):
     """Control: the same weights with every group's queries taken from the next group (vLLM
     gives query head h KV head h // group). The counters must miss the expectation by far:
     the test above can tell a q/k grouping that does not match vLLM's apart."""
-    root, succ, _ = pair
+    _, succ, _ = pair
     prompts = _prompts()
-    res = _vllm(root / "target", root / "draft-rotated", prompts, tmp_path)
+    res = vllm_runs["draft-rotated"]
     r = res["k"][str(K)]
     assert r["outputs"] == res["base"]
     expected = realshape.expected_counters(succ, prompts, K, MAX_TOKENS)

@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -73,12 +74,13 @@ def _generate(model: Path, fmt: str, site: Path) -> subprocess.CompletedProcess:
 
 def test_repeated_layers_load_as_the_full_checkpoint(checkpoints):
     root, site = checkpoints
-    full = _generate(root / "full", "auto", site)
-    repeat = _generate(root / "stored", repeat_loader.LOAD_FORMAT, site)
+    with ThreadPoolExecutor(3) as pool:  # three engines side by side: each is mostly imports
+        full, repeat, control = pool.map(lambda a: _generate(*a, site), [
+            (root / "full", "auto"), (root / "stored", repeat_loader.LOAD_FORMAT),
+            (root / "stored", "auto")])
     assert full.returncode == 0, full.stderr[-2000:]
     assert repeat.returncode == 0, repeat.stderr[-2000:]
     want = json.loads(full.stdout.strip().splitlines()[-1])
     assert json.loads(repeat.stdout.strip().splitlines()[-1]) == want
     assert len(want) == 2 and all(len(o) == 12 for o in want)
-    control = _generate(root / "stored", "auto", site)
     assert control.returncode != 0 and "layers.2" in control.stderr

@@ -135,6 +135,53 @@ def test_changed_settings_are_measured_again_and_the_old_result_kept(prof_path, 
     assert list((run_dir / "superseded").glob("*/profile.json")), "the old profile is kept"
 
 
+def test_a_dry_run_says_what_the_sweep_then_does_and_changes_nothing(prof_path, tmp_path,
+                                                                      fake, capsys):
+    """`sweep.preview` (`speclab sweep --dry-run`) against what `sweep.run` then does: the
+    same points measured, for the same reasons, and until then no file moved or written."""
+    from speclab import cli
+
+    run_dir = tmp_path / "run"
+    prof = profiles.load(prof_path, {"timed_passes": 2})
+    k0, k2 = (p.id for p in sweep.expand(prof))
+    assert [(r["action"], r["rounds"]) for r in sweep.preview(prof, run_dir)] == [
+        ("new", 1), ("new", 1)] and not run_dir.exists()
+    sweep.run(prof, run_dir)
+    assert [(r["action"], r["rounds"]) for r in sweep.preview(prof, run_dir)] == [
+        ("keep", 0), ("keep", 0)]
+    # one point failed, the other's result damaged; then the settings change for both
+    meta = json.loads((run_dir / "results" / f"{k0}.json").read_text())
+    (run_dir / "results" / f"{k0}.json").write_text(json.dumps(
+        {**meta, "status": "error", "error": "RuntimeError: engine died\ntraceback"}))
+    (run_dir / "points" / f"{k2}.parquet").write_bytes(b"not parquet")
+    before = sorted((p.relative_to(run_dir), p.stat().st_mtime_ns)
+                    for p in run_dir.rglob("*") if p.is_file())
+    rows = {r["id"]: r for r in sweep.preview(prof, run_dir)}
+    assert (rows[k0]["action"], rows[k0]["detail"]) == ("failed", "RuntimeError: engine died")
+    assert rows[k2]["action"] == "damaged" and f"{k2}.parquet" in rows[k2]["detail"]
+    assert [r["action"] for r in sweep.preview(prof, run_dir, retry_failed=False)] == [
+        "keep", "damaged"]
+    changed = profiles.load(prof_path, {"timed_passes": 2, "max_tokens": 48})
+    rows = sweep.preview(changed, run_dir)
+    assert [r["action"] for r in rows] == ["changed", "damaged"]  # the failure set aside
+    assert cli.main(["sweep", "--profile", str(prof_path), "--run-id", str(run_dir),
+                     "--override", json.dumps({"timed_passes": 2}), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert f"  retry   {k0} (+1 timing round): RuntimeError: engine died" in out
+    assert "2 of 2 points would be measured" in out
+    assert sorted((p.relative_to(run_dir), p.stat().st_mtime_ns)
+                  for p in run_dir.rglob("*") if p.is_file()) == before, "a dry run wrote"
+    n = len(starts(fake))
+    sweep.run(prof, run_dir)
+    assert len(starts(fake)) == n + 4  # both measured again, each with its second round
+    rows = sweep.preview(changed, run_dir)
+    assert [(r["action"], r["detail"]) for r in rows] == [
+        ("changed", "sampling.max_tokens 16 -> 48")] * 2
+    with warnings_logged() as msgs:
+        sweep.run(changed, run_dir)
+    assert len(msgs) == 2 and all("sampling.max_tokens 16 -> 48" in m for m in msgs)
+
+
 def test_a_point_measured_elsewhere_or_before_fingerprints_is_not_resumed(
         prof_path, tmp_path, fake, monkeypatch):
     run_dir = tmp_path / "run"

@@ -146,6 +146,9 @@ def cmd_sweep(a) -> int:
     prof = profiles.load(a.profile, over)
     if a.mode == "server" and prof.executor != "local":
         raise ValueError("server mode runs on this machine only (--executor local)")
+    if a.mode == "server" and a.dry_run:
+        raise ValueError("--dry-run previews offline sweeps (server mode keeps a result per "
+                         "concurrency level)")
     if a.concurrency and a.mode != "server":
         raise ValueError(f"--concurrency {a.concurrency} sets server mode's levels: add "
                          "--mode server (offline points run every prompt as one batch)")
@@ -166,6 +169,9 @@ def cmd_sweep(a) -> int:
                              f"({', '.join(p.id for p in points)})")
         points = chosen
     run_dir, _ = store.run_dirs(_run_id(a, prof), _out_roots(a)[0])
+    if a.dry_run:
+        return _print_preview(prof, run_dir, sweep.preview(prof, run_dir, points,
+                                                           retry_failed=not a.no_retry))
     if a.mode == "server":
         res = [m for p in points for m in server.run_point(prof, p, run_dir, levels)]
     else:
@@ -174,6 +180,23 @@ def cmd_sweep(a) -> int:
     print(f"{len(res) - len(failed)}/{len(res)} points ok in {run_dir}"
           + (f"; failed: {', '.join(failed)}" if failed else ""))
     return 1 if failed else 0
+
+
+def _print_preview(prof, run_dir: Path, rows: list[dict]) -> int:
+    """`speclab sweep --dry-run`: one line per point, then what would run."""
+    print(f"sweep {prof.name} into {run_dir} (dry run: nothing is measured or moved)")
+    verbs = {"keep": "keep", "new": "measure", "changed": "again", "damaged": "again",
+             "failed": "retry"}
+    for r in rows:
+        rounds = f" (+{r['rounds']} timing round{'s' * (r['rounds'] > 1)})" if r["rounds"] \
+            else ""
+        print(f"  {verbs[r['action']]:<8}{r['id']}{rounds}"
+              + (f": {r['detail']}" if r["detail"] else ""))
+    runs = sum(r["action"] != "keep" for r in rows)
+    print(f"{runs} of {len(rows)} points would be measured, "
+          f"{sum(r['action'] == 'changed' for r in rows)} of them set aside first "
+          f"(changed settings); {sum(r['rounds'] for r in rows)} timing rounds")
+    return 0
 
 
 def cmd_profile(a) -> int:
@@ -378,6 +401,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--with-parity", action="store_true",
                    help="also run the points of the profile's parity arms")
     p.add_argument("--only", help="comma-separated globs over point ids, e.g. 'k0_*,k3_*'")
+    p.add_argument("--dry-run", action="store_true",
+                   help="say per point whether it would be kept, measured or measured again "
+                        "(and why), then stop: nothing is built, measured or moved")
     p.add_argument("--executor", choices=["local", "ray"],
                    help="where points run (default: the profile's, local unless it says ray)")
     p.add_argument("--ray-address", help="Ray cluster address (default: the profile's, else "

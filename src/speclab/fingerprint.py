@@ -46,16 +46,15 @@ def prompt_set(profile) -> dict[str, Any]:
 
 
 def model_identity(ref: str | None, revision: str | None = None) -> str | None:
-    """A checkpoint's identity: a fixture's cache key, the revision of the hub snapshot that
-    `revision` (default main) resolves to, or a local folder's config hash and weight file
-    sizes (weights are not hashed: too slow)."""
+    """A checkpoint's identity: a fixture's cache key (computed: nothing is built), the
+    revision of the hub snapshot that `revision` (default main) resolves to, or a local
+    folder's config hash and weight file sizes (weights are not hashed: too slow)."""
     if not ref:
         return None
     if ref.startswith("fixture:"):
-        from speclab.profiles import resolve_model
+        from speclab import fixtures
 
-        meta = Path(resolve_model(ref)) / "speclab_fixture.json"
-        return f"{ref}@{json.loads(meta.read_text())['cache_key']}"
+        return f"{ref}@{fixtures.key(ref.split(':', 1)[1])}"
     p = Path(ref).expanduser()
     if p.is_dir():
         weights = sorted((f.name, f.stat().st_size) for f in p.iterdir()

@@ -433,25 +433,40 @@ def save_profile(profile: Profile, run_dir: Path, when: str) -> None:
     atomic_write(path, new)
 
 
-def needs_run(run_dir: Path, point_id: str, fp: dict, when: str,
-              retry_failed: bool = True) -> bool:
-    """Whether a point must be measured (again): none on disk, damaged, measured with another
-    fingerprint (both set aside under superseded/<when>/, with one line on the log), or
-    failed (when retry_failed)."""
+def resume_reason(run_dir: Path, point_id: str, fp: dict, retry_failed: bool = True
+                  ) -> tuple[str, str] | None:
+    """Why a sweep would measure a point (again), as (kind, detail), or None where it keeps
+    the point's result; reads only. Kinds: `new` (nothing on disk), `damaged` (the file at
+    fault), `changed` (measured with another fingerprint: what differs, `fingerprint.diff`),
+    `failed` (its error; only when retry_failed)."""
     meta, problem = inspect_point(run_dir, point_id)
     if problem:
-        dest = set_aside(run_dir, point_id, when)
-        log.warning(f"point {point_id}: {problem}; moved to {dest}, measuring again")
-        return True
+        return "damaged", problem
     if meta is None:
-        return True
+        return "new", "not measured yet"
     if (meta.get("fingerprint") or {}).get("digest") != fp["digest"]:
-        why = fingerprint.diff(meta.get("fingerprint"), fp)
+        return "changed", fingerprint.diff(meta.get("fingerprint"), fp)
+    if meta["status"] != "ok" and retry_failed:
+        return "failed", (meta.get("error") or meta["status"]).splitlines()[0]
+    return None
+
+
+def needs_run(run_dir: Path, point_id: str, fp: dict, when: str,
+              retry_failed: bool = True) -> bool:
+    """Whether a point must be measured (again) (`resume_reason`); a damaged one or one
+    measured with another fingerprint is first set aside under superseded/<when>/, with one
+    line on the log."""
+    why = resume_reason(run_dir, point_id, fp, retry_failed)
+    if why is None:
+        return False
+    kind, detail = why
+    if kind in ("damaged", "changed"):
         dest = set_aside(run_dir, point_id, when)
-        log.warning(f"point {point_id}: not measured with these settings on this machine "
-                    f"({why}); previous result moved to {dest}, measuring again")
-        return True
-    return meta["status"] != "ok" and retry_failed
+        log.warning(f"point {point_id}: {detail}; moved to {dest}, measuring again"
+                    if kind == "damaged" else
+                    f"point {point_id}: not measured with these settings on this machine "
+                    f"({detail}); previous result moved to {dest}, measuring again")
+    return True
 
 
 def read_jsonl(path: Path) -> list[dict]:

@@ -18,6 +18,31 @@ from speclab.profiles import Point, Profile, expand
 log = logging.getLogger(__name__)
 
 
+def preview(profile: Profile, run_dir: Path, points: Iterable[Point] | None = None, *,
+            retry_failed: bool = True) -> list[dict]:
+    """What `run` would do with each point, without doing it: nothing is built, measured,
+    moved or locked. Per point: `id`, `action` (`keep`, or a `store.resume_reason` kind:
+    new, damaged, changed, failed), `detail` and `rounds` (timing rounds it would add:
+    local executor, grid points)."""
+    run_dir = Path(run_dir)
+    points = list({p.id: p for p in (points if points is not None else expand(profile))}
+                  .values())
+    where = executors.placement(profile)
+    grid = {p.id for p in expand(profile)}
+    rounds = profile.timed_passes if profile.executor == "local" else 1
+    out = []
+    for p in points:
+        fp = fingerprint.of_point(profile, p, placement=where)
+        why = store.resume_reason(run_dir, p.id, fp, retry_failed)
+        kept = None if why else store.read_meta(run_dir, p.id)
+        timed = p.id in grid and (kept is None or kept["status"] == "ok")
+        done = len(kept.get("passes", [])) if kept else 1  # a measurement times round 1
+        out.append({"id": p.id, "action": why[0] if why else "keep",
+                    "detail": why[1] if why else "", "rounds": max(0, rounds - done) if timed
+                    else 0})
+    return out
+
+
 def run(profile: Profile, run_dir: Path, points: Iterable[Point] | None = None, *,
         retry_failed: bool = True) -> list[dict]:
     """Run every unfinished point with the profile's executor (speclab.executors: each point

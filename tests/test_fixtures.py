@@ -403,3 +403,26 @@ def test_vllm_trained_pair_matches_the_reference_and_accepts(fixture_cache, tmp_
             expected[k]
     r3 = res["k"]["3"]
     assert 1 + r3["num_accepted_tokens"] / r3["num_drafts"] >= 1.8
+
+
+def test_a_fixtures_identity_needs_no_build_and_once_noted_no_torch(tmp_path):
+    """`fixtures.key` (a point's model identity in its fingerprint): computed where the fixture
+    is not built (nothing is built), read from the built fixture's metadata where it is; a
+    sweep driver that found the fixture once computes it without importing torch."""
+    env = {**os.environ, "SPECLAB_CACHE": str(tmp_path)}
+    code = ("import json, sys; from speclab import fingerprint, fixtures; "
+            "print(json.dumps([fingerprint.model_identity('fixture:tokenizer'), "
+            "'torch' in sys.modules, any(fixtures.default_cache_dir().glob('tokenizer-*'))]))")
+
+    def identity() -> list:
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                             text=True, timeout=300, check=True)
+        return json.loads(out.stdout.splitlines()[-1])
+
+    ident, _, built = identity()
+    assert not built and ident == f"fixture:tokenizer@{fixtures.key('tokenizer')}"
+    fixtures.build("tokenizer", tmp_path / "fixtures")
+    meta = json.loads(next((tmp_path / "fixtures").glob("tokenizer-*/speclab_fixture.json"))
+                      .read_text())
+    assert identity()[0] == f"fixture:tokenizer@{meta['cache_key']}" == ident
+    assert identity() == [ident, False, True]  # the second process: the dirs' note, no torch

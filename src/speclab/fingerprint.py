@@ -46,7 +46,7 @@ def prompt_set(profile) -> dict[str, Any]:
 
 
 def model_identity(ref: str | None, revision: str | None = None) -> str | None:
-    """A checkpoint's identity: a fixture's cache key (computed: nothing is built), the
+    """A checkpoint's identity: a fixture's cache key (`fixtures.key`: nothing is built), the
     revision of the hub snapshot that `revision` (default main) resolves to, or a local
     folder's config hash and weight file sizes (weights are not hashed: too slow)."""
     if not ref:

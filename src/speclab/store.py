@@ -460,11 +460,12 @@ def needs_run(run_dir: Path, point_id: str, fp: dict, when: str,
     if why is None:
         return False
     kind, detail = why
-    if kind in ("damaged", "changed"):
+    if kind == "damaged":
         dest = set_aside(run_dir, point_id, when)
-        log.warning(f"point {point_id}: {detail}; moved to {dest}, measuring again"
-                    if kind == "damaged" else
-                    f"point {point_id}: not measured with these settings on this machine "
+        log.warning(f"point {point_id}: {detail}; moved to {dest}, measuring again")
+    elif kind == "changed":
+        dest = set_aside(run_dir, point_id, when)
+        log.warning(f"point {point_id}: not measured with these settings on this machine "
                     f"({detail}); previous result moved to {dest}, measuring again")
     return True
 

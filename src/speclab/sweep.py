@@ -18,6 +18,13 @@ from speclab.profiles import Point, Profile, expand
 log = logging.getLogger(__name__)
 
 
+def _rounds(profile: Profile) -> int:
+    """Timing rounds the sweep runs over the grid here: the profile's `timed_passes`; on Ray
+    only the measuring one, since each point's rounds run in its own task, on its node
+    (executor_ray.run_on_node)."""
+    return profile.timed_passes if profile.executor == "local" else 1
+
+
 def preview(profile: Profile, run_dir: Path, points: Iterable[Point] | None = None, *,
             retry_failed: bool = True) -> list[dict]:
     """What `run` would do with each point, without doing it: nothing is built, measured,
@@ -29,7 +36,7 @@ def preview(profile: Profile, run_dir: Path, points: Iterable[Point] | None = No
                   .values())
     where = executors.placement(profile)
     grid = {p.id for p in expand(profile)}
-    rounds = profile.timed_passes if profile.executor == "local" else 1
+    rounds = _rounds(profile)
     out = []
     for p in points:
         fp = fingerprint.of_point(profile, p, placement=where)
@@ -90,9 +97,7 @@ def run(profile: Profile, run_dir: Path, points: Iterable[Point] | None = None, 
                 log.warning(f"point {meta['point_id']} failed: {meta['error']}")
             results[meta["point_id"]] = meta
         grid = {p.id for p in expand(profile)}  # extra points (parity, formats): timed once
-        # Ray: each point's rounds ran in its own task, on its node (executor_ray.run_on_node)
-        rounds = profile.timed_passes if profile.executor == "local" else 1
-        for rnd in range(2, rounds + 1):
+        for rnd in range(2, _rounds(profile) + 1):
             due = [p for p in points if p.id in grid and results[p.id]["status"] == "ok"
                    and len(results[p.id].get("passes", [])) < rnd]
             if due:

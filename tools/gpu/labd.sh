@@ -17,6 +17,12 @@ set -o pipefail
 cd "$(dirname "$0")/../.."
 LABD=${LABD:-/tmp/speclab_labd}
 T0=$(date +%s)
+# until lab.py has ended or the clock reaches $1, looking every $2 s
+wait_done() {
+  while [ "$(date +%s)" -lt "$1" ] && ! grep -q "^labd done" "$LABD/labd.out" 2>/dev/null; do
+    sleep "$2"
+  done
+}
 case "${1:-}" in
 start)
   stage=${2:?stage} rel=${3:?release} minutes=${4:?minutes} jobs=${5:?jobs}
@@ -46,15 +52,12 @@ RUN
   setsid nohup bash "$LABD/run.sh" > "$LABD/labd.out" 2>&1 < /dev/null &
   echo "labd pid $! until $(date -d @$deadline +%T); setup $(( $(date +%s) - T0 )) s"
   # its first lines (up to 15 s; at once when lab.py already ended, e.g. on a bad job name)
-  for _ in $(seq 15); do grep -q "^labd done" "$LABD/labd.out" 2>/dev/null && break; sleep 1; done
+  wait_done $(( $(date +%s) + 15 )) 1
   tail -n 5 "$LABD/labd.out" ;;
 collect)
   # a fresh machine (the warm one was given back) has no lab.py to wait for: say so at once
   [ -e "$LABD/labd.out" ] || { echo "no detached lab.py on this machine (a fresh one?)"; exit 4; }
-  end=$(( T0 + ${2:?seconds} ))
-  while [ "$(date +%s)" -lt "$end" ] && ! grep -q "^labd done" "$LABD/labd.out" 2>/dev/null; do
-    sleep 2
-  done
+  wait_done $(( T0 + ${2:?seconds} )) 2
   cp "$LABD"/out/* "$OUT"/ 2>/dev/null
   tail -n 100 "$LABD/labd.out" > "$OUT/labd.out" 2>/dev/null
   grep -q "^labd done" "$LABD/labd.out" && echo "labd ended" || echo "labd still running"

@@ -16,6 +16,7 @@ R(n) = T_1(n) - L beta E(n). On the node:
 
     T_G(n)          = R(n) - (1 - 1/G) V + L beta M_G(n) + (2 L + 1) t_ar(n hidden 2 B)
     T_draft,G(k, B) = T_draft(k, B) - (1 - 1/G) V_draft + 3 k t_ar(B hidden 2 B)
+    T_sample,G      = T_sample (the sampler runs on every rank, whole)
                       (MTP: its k forwards' routed experts, k beta E(B), read as k beta M_G(B))
 
 M_G(n) is the expected largest number of distinct routed experts one rank reads when n tokens
@@ -216,11 +217,12 @@ def bracket(ex: dict, rates, gpus: int = 8, ks=range(1, 6), moe=predict.MOE,
                                corner, moe, dtype)
             draft_ms = node_draft(predict.drafter_at(d, k, "draft_ms"), k, B, beta, gpus, tp,
                                   corner, predict.method_of(draft), layers, moe, dtype)
+            step = verify + draft_ms + predict.sample_extra_at(d, k)  # every rank samples
             al = predict.acceptance_length(predict.rates_for(rates, draft), k)
             rows.append({"gpus": gpus, "draft": draft, "B": B, "k": k, "tp": tp,
                          "allreduce": corner, "al": al, "plain_ms": t0, "verify_ms": verify,
-                         "draft_ms": draft_ms, "pred_tok_s": 1e3 * B * al / (verify + draft_ms),
-                         "pred_speedup": al * t0 / (verify + draft_ms)})
+                         "draft_ms": draft_ms, "pred_tok_s": 1e3 * B * al / step,
+                         "pred_speedup": al * t0 / step})
     out = pd.DataFrame(rows)
     if len(out):
         best = out.groupby(["draft", "B", "tp", "allreduce"]).pred_speedup.transform("max")

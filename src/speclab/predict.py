@@ -6,7 +6,7 @@ the full pass minus its prefill-only twin, a plain step is that over `max_tokens
 a speculative step that over the verify rounds per request (`num_drafts / B`). The model,
 with nothing fitted to the speculative points it predicts:
 
-    T_spec(k, B) = T_rows(G_{k+1}(B)) + T_draft(k, B)
+    T_spec(k, B) = T_rows(G_{k+1}(B)) + T_draft(k, B) + T_sample(k, B)
     tok/s(k, B)  = B * AL(k) / T_spec(k, B)          AL(k) = 1 + sum_j p_j (j <= k)
     speedup      = AL(k) * T_plain(B) / T_spec(k, B)
 
@@ -17,8 +17,10 @@ follows the experts it reads, which grow concavely in n). G_q(B) is the rows the
 requests with q tokens each runs: under CUDA graphs the captured graph it is padded to
 (`speclab.cudagraphs`: at k = 2 on Hopper, 4 requests run the 18-row graph), eager B q; a
 plain step at B ran G_1(B) rows of its own engine's graphs (`rows_curve`). T_draft is the
-drafter's GPU time per step measured with CUDA events (`speclab.steptiming`), and p_j the
-unconditional acceptance at position j (a run's counters or a draft card's published rates).
+drafter's GPU time per step measured with CUDA events (`speclab.steptiming`), T_sample what
+speculative sampling (rejection, bookkeeping) costs the GPU beyond a plain step's sampling,
+measured in the same passes (`draft_ms`), and p_j the unconditional acceptance at position j
+(a run's counters or a draft card's published rates).
 For an offline batch (B requests started together, as every gpubench pass is) T_spec is the
 batch's mean step: its last rounds run the requests still going, Binomial(B, s_j) of them at
 round j with s_j the probability that a request runs a j-th round (`round_survival`, from the
@@ -299,20 +301,37 @@ def _splits(results: pd.DataFrame) -> pd.DataFrame:
 
 def draft_ms(results: pd.DataFrame) -> pd.DataFrame:
     """Drafter GPU time per decode step (median over a split pass's drafter calls at its
-    verify steps) per (layers, eager, draft, k, B), with its host time where recorded."""
+    verify steps) per (layers, eager, draft, k, B), with its host time where recorded, and
+    `sample_extra_ms`: the speculative step's sampling less the drafter inside it less the
+    plain step's sampling (`plain_sample_ms`), what verifying adds to sampling; NaN where the
+    split passes timed only the drafter."""
+    splits = _splits(results)
     rows = []
-    for _, r in _splits(results).iterrows():
+    for _, r in splits.iterrows():
         calls = _step_calls(r, "propose")
         if r.k and calls:
+            sample = _median(_step_calls(r, "sample"), "ms")
             rows.append({"layers": r.layers, "eager": r.eager,
                          "draft": draft_setting(r.engine, r.k), "k": r.k, "B": r.B,
                          "draft_ms": _median(calls, "ms"),
-                         "draft_host_ms": _median(calls, "host_ms"), "draft_calls": len(calls)})
-    cols = [*CONFIG, "k", "B", "draft_ms", "draft_host_ms", "draft_calls"]
+                         "draft_host_ms": _median(calls, "host_ms"), "draft_calls": len(calls),
+                         "sample_extra_ms": sample - _median(calls, "ms")
+                         - plain_sample_ms(splits, r.layers, r.eager, r.B)})
+    cols = [*CONFIG, "k", "B", "draft_ms", "draft_host_ms", "draft_calls", "sample_extra_ms"]
     out = pd.DataFrame(rows, columns=cols)  # several runs' split passes of one point: the mean
     return out.groupby([*CONFIG, "k", "B"], as_index=False).agg(
         draft_ms=("draft_ms", "mean"), draft_host_ms=("draft_host_ms", "mean"),
-        draft_calls=("draft_calls", "sum"))[cols]
+        draft_calls=("draft_calls", "sum"), sample_extra_ms=("sample_extra_ms", "mean"))[cols]
+
+
+def plain_sample_ms(splits: pd.DataFrame, layers: int, eager: bool, B: int) -> float:
+    """The plain engine's sampling GPU time per decode step at (layers, eager): the median of
+    its split passes' `sample` calls at B requests, or at every B where none ran at B (it is
+    flat in B: 0.038-0.041 ms from 1 to 16 on the H200); NaN without a plain split pass."""
+    plain = splits[(splits.k == 0) & (splits.layers == layers) & (splits.eager == eager)]
+    at_B = [c for _, r in plain[plain.B == B].iterrows() for c in _step_calls(r, "sample")]
+    return _median(at_B or [c for _, r in plain.iterrows() for c in _step_calls(r, "sample")],
+                   "ms")
 
 
 def step_anatomy(results: pd.DataFrame, max_tokens: int = 128) -> pd.DataFrame:
@@ -457,6 +476,15 @@ def drafter_at(d: pd.DataFrame, k: int, col: str) -> float:
     return float(ts[i[0]] + (k - ks[i[0]]) * (ts[i[1]] - ts[i[0]]) / (ks[i[1]] - ks[i[0]]))
 
 
+def sample_extra_at(d: pd.DataFrame, k: int) -> float:
+    """What speculative sampling adds a step at k (`sample_extra_ms` rows of one setting and
+    batch size): read between the measured k, the nearest measured k's outside them (it is
+    nearly flat in k: 0.058-0.064 ms at B = 1 for k = 1, 2, 3, 5 on the H200); 0 where none
+    was measured (the model then leaves it out, as before 2026-12-05)."""
+    ks, ts = _measured(d, "sample_extra_ms") if "sample_extra_ms" in d else ([], [])
+    return float(np.interp(k, ks, ts)) if len(ks) else 0.0
+
+
 def _measured(d: pd.DataFrame, col: str) -> tuple[np.ndarray, np.ndarray]:
     """The measured k (sorted) and their `col` values, rows without one left out."""
     ks, ts = d.k.to_numpy(float), d[col].to_numpy(float)
@@ -495,18 +523,21 @@ def predict(costs: pd.DataFrame, drafts: pd.DataFrame, rates, ks=range(1, 6),
                     n = step_rows(B, k, eager, gpu=gpu, vllm=vllm)
                     verify = plain_at(by_rows, n, moe)
                     draft_ms = drafter_at(db, k, "draft_ms")
+                    sample = sample_extra_at(db, k)
                     rate = rates_for(rates, draft)
                     tail = 0.0
-                    if tokens and B > 1:  # the drafter's time at B for every step
+                    if tokens and B > 1:  # the drafter's and sampling's time at B every step
                         tail = batch_step([plain_at(by_rows, step_rows(m, k, eager, gpu=gpu,
                                                                        vllm=vllm), moe)
-                                           + draft_ms for m in range(1, int(B) + 1)],
-                                          round_survival(rate, k, tokens)) - verify - draft_ms
-                    step = verify + draft_ms + tail
+                                           + draft_ms + sample for m in range(1, int(B) + 1)],
+                                          round_survival(rate, k, tokens)) - verify - draft_ms \
+                            - sample
+                    step = verify + draft_ms + sample + tail
                     al = acceptance_length(rate, k)
                     rows.append({"layers": layers, "eager": eager, "draft": draft, "k": k,
                                  "B": B, "al": al, "verify_rows": n, "verify_ms": verify,
-                                 "draft_ms": draft_ms, "tail_ms": tail,
+                                 "draft_ms": draft_ms, "sample_extra_ms": sample,
+                                 "tail_ms": tail,
                                  "pred_step_ms": step,
                                  "draft_host_ms": drafter_at(db, k, "draft_host_ms"),
                                  "drafter_scaled": drafter_scaled(db, k),
@@ -528,9 +559,9 @@ def validate(results: pd.DataFrame, max_tokens: int = 128) -> pd.DataFrame:
     measured - 1. Where the drafter's host time was recorded, also the bound with that host
     time serial to the verify step (`pred_serial_speedup`: an eager drafter's launches the
     GPU waits for) and `bracketed`: the measured speedup lies between the two predictions.
-    The models before the last two terms, as controls: `error_steady` without the tail (every
+    The models before their last terms, as controls: `error_steady` without the tail (every
     step at B), `error_linear` with T_plain linear in n (`interpolate`), not in the experts
-    it reads."""
+    it reads, `error_no_sample` without T_sample."""
     costs = step_costs(results, max_tokens)
     drafts = draft_ms(results)
     timed = passes(results, max_tokens)
@@ -538,7 +569,7 @@ def validate(results: pd.DataFrame, max_tokens: int = 128) -> pd.DataFrame:
     for _, r in costs[costs.k > 0].iterrows():
         rates, tokens = _measured_rates(r, timed), int(np.rint(r.tokens))
 
-        def mine(r=r, rates=rates, **kw) -> pd.DataFrame:
+        def mine(r=r, rates=rates, drafts=drafts, **kw) -> pd.DataFrame:
             p = predict(costs, drafts, rates, ks=[r.k], batches=[r.B], **kw)
             return p[(p.layers == r.layers) & (p.eager == r.eager) & (p.draft == r.draft)]
 
@@ -549,12 +580,15 @@ def validate(results: pd.DataFrame, max_tokens: int = 128) -> pd.DataFrame:
         serial = q.pred_speedup * q.pred_step_ms / (q.pred_step_ms - q.draft_ms
                                                     + max(q.draft_host_ms, q.draft_ms))
         rows.append({**r.to_dict(), "pred_step_ms": q.pred_step_ms, "draft_ms": q.draft_ms,
+                     "sample_extra_ms": q.sample_extra_ms,
                      "verify_ms": q.verify_ms, "pred_tail_ms": q.tail_ms,
                      "drafter_scaled": q.drafter_scaled, "pred_speedup": q.pred_speedup,
                      "error": q.pred_speedup / r.speedup - 1, "draft_host_ms": q.draft_host_ms,
                      "error_steady": mine().pred_speedup.iloc[0] / r.speedup - 1,
                      "error_linear": mine(tokens=tokens, moe=None).pred_speedup.iloc[0]
                      / r.speedup - 1,
+                     "error_no_sample": mine(tokens=tokens, drafts=drafts.assign(
+                         sample_extra_ms=np.nan)).pred_speedup.iloc[0] / r.speedup - 1,
                      "pred_serial_speedup": serial,
                      "bracketed": bool(serial <= r.speedup <= q.pred_speedup)
                      if pd.notna(q.draft_host_ms) else None})
@@ -573,7 +607,8 @@ def error_budget(validated: pd.DataFrame, anatomy: pd.DataFrame) -> pd.DataFrame
     (`anatomy`, what `step_anatomy` returns; several runs' split passes of a point
     averaged): `verify_extra_ms`, the verify forward less the plain step at its rows (which
     holds plain's own sampling and idle time); `sampling_ms`, sampling less the
-    drafter inside it (rejection and bookkeeping); `drafter_ms`, the drafter in the split pass
+    drafter inside it less what the model prices for it (`sample_extra_ms`), so plain's own
+    sampling where the runs timed it (all of it where they did not); `drafter_ms`, the drafter in the split pass
     less the one priced; `tail_extra_ms`, the batch's tail measured less predicted; `idle_ms`,
     the step the GPU waits for the host; `rest_ms`, what is left (mean against median steps)."""
     v, a = validated, anatomy
@@ -581,11 +616,12 @@ def error_budget(validated: pd.DataFrame, anatomy: pd.DataFrame) -> pd.DataFrame
         return pd.DataFrame()
     keys = [*CONFIG, "k", "B"]
     a = a[a.k > 0].groupby(keys, as_index=False).mean(numeric_only=True)
-    m = v[[*keys, "step_ms", "pred_step_ms", "verify_ms", "draft_ms", "pred_tail_ms",
-           "error"]].merge(a.drop(columns="step_ms"), on=keys)
+    m = v[[*keys, "step_ms", "pred_step_ms", "verify_ms", "draft_ms", "sample_extra_ms",
+           "pred_tail_ms", "error"]].merge(a.drop(columns="step_ms"), on=keys)
     out = m[[*keys, "step_ms", "pred_step_ms", "error"]].assign(
         err_ms=m.step_ms - m.pred_step_ms, verify_extra_ms=m.execute_ms - m.verify_ms,
-        sampling_ms=m.sample_ms - m.propose_ms, drafter_ms=m.propose_ms - m.draft_ms,
+        sampling_ms=m.sample_ms - m.propose_ms - m.sample_extra_ms,
+        drafter_ms=m.propose_ms - m.draft_ms,
         tail_extra_ms=m.tail_ms - m.pred_tail_ms, idle_ms=m.idle_ms)
     out["rest_ms"] = out.err_ms - out[list(BUDGET[:-1])].sum(axis=1)
     return out.sort_values([*CONFIG, "B", "k"], ignore_index=True)

@@ -99,17 +99,20 @@ def report(runs, rates=predict.PUBLISHED_EAGLE31,
                   ("Prediction from the plain step at the rows the verify step's CUDA graph "
                    "runs (`speclab.cudagraphs`: B(k+1) tokens padded to a captured size), the "
                    "drafter's measured time (`drafter_scaled`: carried from other k, "
-                   "`predict.drafter_at`) "
+                   "`predict.drafter_at`), what speculative sampling adds to plain's "
+                   "(`sample_extra_ms`, from the split passes; 0 where they did not time it) "
                   "and the point's measured acceptance, for the pass as it ran: B requests of "
                   "its tokens started together, whose last rounds run the requests still "
                   "going (`pred_tail_ms`, what that adds a step, from the acceptance alone: "
                   f"`predict.round_survival`); largest |error| {worst:.1%} "
                   f"({val.error_steady.abs().max():.1%} without the tail, every step at B, "
                   f"`error_steady`; {val.error_linear.abs().max():.1%} with the plain step "
-                  "linear in n, `error_linear`)."), "",
+                  f"linear in n, `error_linear`; {val.error_no_sample.abs().max():.1%} "
+                  "without the sampling term, `error_no_sample`)."), "",
                   _md(val, [*CONFIG, "B", "k", "step_ms", "pred_step_ms", "verify_ms",
-                            "draft_ms", "pred_tail_ms", "drafter_scaled", "speedup",
-                            "pred_speedup", "error", "error_steady", "error_linear"]),
+                            "draft_ms", "sample_extra_ms", "pred_tail_ms", "drafter_scaled",
+                            "speedup", "pred_speedup", "error", "error_steady",
+                            "error_linear", "error_no_sample"]),
                   "", (f"T_plain(n) is linear in E(n) = {MOE[0]}(1 - (1 - {MOE[1]}/{MOE[0]})^n), "
                        "the routed experts n tokens read per MoE layer, between the measured "
                        "plain batch sizes (`predict.plain_at`)."), ""]
@@ -193,7 +196,9 @@ def report(runs, rates=predict.PUBLISHED_EAGLE31,
                    "speedup's) as the sum of what the model prices otherwise or leaves out, "
                    "from the split passes (`predict.error_budget`): the verify forward above "
                    "the plain step at its rows (`verify_extra_ms`), sampling less the drafter "
-                   "inside it (`sampling_ms`: rejection, bookkeeping), the drafter's split-pass "
+                   "inside it and less the sampling term the model prices (`sampling_ms`: "
+                   "plain's own sampling, which the plain step at the verify rows holds "
+                   "too, where the runs timed it), the drafter's split-pass "
                    "time less the one priced (`drafter_ms`), the batch's tail measured less "
                    "predicted (`tail_extra_ms`), the GPU waiting for the host (`idle_ms`) and "
                    "the rest (`rest_ms`, mean against median steps). "
@@ -210,7 +215,7 @@ def report(runs, rates=predict.PUBLISHED_EAGLE31,
         lines += [f"## {layers} layers at acceptance {list(rates)}"
                   + (f" (MTP: {list(mtp_rates)})" if has_mtp else ""), "",
                   (f"Plain step per batch size n fitted as a + b·L over layers "
-                  f"{ex['layers_measured']}; drafter times from the {ex['drafts_from_layers']}-"
+                  f"{ex['layers_measured']}; drafter and sampling times from the {ex['drafts_from_layers']}-"
                   "layer run. Requests replaced as they finish (serving at concurrency B; "
                   "an offline batch also pays its tail, `pred_tail_ms` above). `al_needed`: "
                   "the acceptance length at which k breaks even at B, for any draft of that "
@@ -219,7 +224,8 @@ def report(runs, rates=predict.PUBLISHED_EAGLE31,
                      else ".")), "",
                   _md(ex["fit"], ["n", "a_ms", "b_ms_per_layer", "resolved"]), "",
                   _md(ex["prediction"], ["draft", "B", "k", "al", "verify_rows", "verify_ms",
-                                         "draft_ms", "drafter_scaled", "pred_step_ms",
+                                         "draft_ms", "sample_extra_ms", "drafter_scaled",
+                                         "pred_step_ms",
                                          "pred_tok_s", "pred_speedup", "al_needed",
                                          "best"]),
                   "", *_spread_lines(costs, drafts, by_method, layers)]

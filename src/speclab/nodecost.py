@@ -16,8 +16,8 @@ R(n) = T_1(n) - L beta E(n). On the node:
 
     T_G(n)          = R(n) - (1 - 1/G) V + L beta M_G(n) + (2 L + 1) t_ar(n hidden 2 B)
     T_draft,G(k, B) = T_draft(k, B) - (1 - 1/G) V_draft + 3 k t_ar(B hidden 2 B)
-    T_sample,G      = T_sample (the sampler runs on every rank, whole)
                       (MTP: its k forwards' routed experts, k beta E(B), read as k beta M_G(B))
+    T_sample,G      = T_sample (the sampler runs on every rank, whole)
 
 M_G(n) is the expected largest number of distinct routed experts one rank reads when n tokens
 pick 6 of 256 evenly (the step waits for the slowest rank; `max_rank_experts`). V, the part of

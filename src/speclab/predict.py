@@ -310,12 +310,12 @@ def draft_ms(results: pd.DataFrame) -> pd.DataFrame:
     for _, r in splits.iterrows():
         calls = _step_calls(r, "propose")
         if r.k and calls:
-            sample = _median(_step_calls(r, "sample"), "ms")
+            drafter = _median(calls, "ms")
             rows.append({"layers": r.layers, "eager": r.eager,
                          "draft": draft_setting(r.engine, r.k), "k": r.k, "B": r.B,
-                         "draft_ms": _median(calls, "ms"),
+                         "draft_ms": drafter,
                          "draft_host_ms": _median(calls, "host_ms"), "draft_calls": len(calls),
-                         "sample_extra_ms": sample - _median(calls, "ms")
+                         "sample_extra_ms": _median(_step_calls(r, "sample"), "ms") - drafter
                          - plain_sample_ms(splits, r.layers, r.eager, r.B)})
     cols = [*CONFIG, "k", "B", "draft_ms", "draft_host_ms", "draft_calls", "sample_extra_ms"]
     out = pd.DataFrame(rows, columns=cols)  # several runs' split passes of one point: the mean
@@ -481,7 +481,7 @@ def sample_extra_at(d: pd.DataFrame, k: int) -> float:
     batch size): read between the measured k, the nearest measured k's outside them (it is
     nearly flat in k: 0.058-0.064 ms at B = 1 for k = 1, 2, 3, 5 on the H200); 0 where none
     was measured (the model then leaves it out, as before 2026-12-05)."""
-    ks, ts = _measured(d, "sample_extra_ms") if "sample_extra_ms" in d else ([], [])
+    ks, ts = _measured(d, "sample_extra_ms")
     return float(np.interp(k, ks, ts)) if len(ks) else 0.0
 
 
@@ -606,10 +606,10 @@ def error_budget(validated: pd.DataFrame, anatomy: pd.DataFrame) -> pd.DataFrame
     returns), `err_ms`, as the sum of what the model prices otherwise or leaves out
     (`anatomy`, what `step_anatomy` returns; several runs' split passes of a point
     averaged): `verify_extra_ms`, the verify forward less the plain step at its rows (which
-    holds plain's own sampling and idle time); `sampling_ms`, sampling less the
-    drafter inside it less what the model prices for it (`sample_extra_ms`), so plain's own
-    sampling where the runs timed it (all of it where they did not); `drafter_ms`, the drafter in the split pass
-    less the one priced; `tail_extra_ms`, the batch's tail measured less predicted; `idle_ms`,
+    holds plain's own sampling and idle time); `sampling_ms`, sampling less the drafter
+    inside it less what the model prices for it (`sample_extra_ms`), so plain's own sampling
+    where the runs timed it (all of it where they did not); `drafter_ms`, the drafter in the
+    split pass less the one priced; `tail_extra_ms`, the batch's tail measured less predicted; `idle_ms`,
     the step the GPU waits for the host; `rest_ms`, what is left (mean against median steps)."""
     v, a = validated, anatomy
     if v.empty or a.empty:

@@ -215,8 +215,8 @@ def report(runs, rates=predict.PUBLISHED_EAGLE31,
         lines += [f"## {layers} layers at acceptance {list(rates)}"
                   + (f" (MTP: {list(mtp_rates)})" if has_mtp else ""), "",
                   (f"Plain step per batch size n fitted as a + b·L over layers "
-                  f"{ex['layers_measured']}; drafter and sampling times from the {ex['drafts_from_layers']}-"
-                  "layer run. Requests replaced as they finish (serving at concurrency B; "
+                  f"{ex['layers_measured']}; drafter and sampling times from the "
+                  f"{ex['drafts_from_layers']}-layer run. Requests replaced as they finish (serving at concurrency B; "
                   "an offline batch also pays its tail, `pred_tail_ms` above). `al_needed`: "
                   "the acceptance length at which k breaks even at B, for any draft of that "
                   "drafter cost (a draft whose AL is below it slows decoding). One GPU, TP 1"

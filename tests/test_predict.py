@@ -266,6 +266,34 @@ def test_extrapolation_is_linear_in_layers():
         predict.extrapolate(predict.step_costs(rows(rounds=2)), drafts, (0.6,))
 
 
+def test_extrapolation_pairs_depths_by_graph_rows():
+    """An engine without an n-row graph runs B = n on a larger one (here the 32-layer engine
+    has no 3-, 5- or 6-row graph, as on the H200 runs of 2026-12-04/05): the layer fit pairs
+    steps by the rows they ran, so every line at 43 layers is the truth's. The control pairs
+    them by B (`rows` set to B): the line at n = 3 goes through T(3, 24) and T(4, 32) and
+    misses T(3, 43) by over 10%."""
+    def law(n, L):
+        return 1.0 + 0.2 * n + (0.15 + 0.01 * n) * L
+
+    fit_rows = {24: {b: b for b in (1, 2, 3, 4, 5, 6, 8)},
+                32: {1: 1, 2: 2, 3: 4, 4: 4, 5: 8, 6: 8, 8: 8}}
+    costs = pd.DataFrame(
+        [{"layers": L, "eager": False, "draft": "", "k": 0, "B": B, "rows": n,
+          "step_ms": law(n, L), "step_lo": law(n, L) - 0.05, "step_hi": law(n, L) + 0.05,
+          "rounds": 5} for L, sizes in fit_rows.items() for B, n in sizes.items()]
+        + [{"layers": 32, "eager": False, "draft": "", "k": 1, "B": B, "rows": 2 * B,
+            "step_ms": 9.0, "step_lo": 8.9, "step_hi": 9.1, "rounds": 5} for B in (1, 4)])
+    drafts = predict.draft_ms(rows(layers=(8,), rounds=1))
+    ex = predict.extrapolate(costs, drafts, predict.PUBLISHED_EAGLE31, layers=43)
+    assert sorted(ex["fit"].n) == [1, 2, 4, 8]  # 3, 5 and 6 rows ran at 24 layers only
+    plain = ex["plain"].set_index("rows").step_ms
+    assert np.allclose(plain, [law(n, 43) for n in plain.index])
+    by_B = predict.extrapolate(costs.assign(rows=costs.B), drafts, predict.PUBLISHED_EAGLE31,
+                               layers=43)["plain"].set_index("B").step_ms
+    assert by_B[3] / law(3, 43) - 1 > 0.10
+    assert np.allclose(by_B[[1, 2, 4, 8]], [law(n, 43) for n in (1, 2, 4, 8)])
+
+
 def test_pass_length_comes_from_the_pass():
     """Passes of 512 tokens (`gpubench drive --tokens 512`) price the same steps and AL, and
     a batch's tail is a smaller share of a longer pass."""

@@ -637,36 +637,57 @@ def _measured_rates(row, df: pd.DataFrame) -> list[float]:
     return [float(a / drafts) for a in acc]
 
 
+def _pooled_step(g: pd.DataFrame) -> pd.Series:
+    """One step time from several measured points of one quantity (plain steps of batch
+    sizes that replay one graph): the inverse-variance mean of their means, each standard
+    error from its 95% t-interval, and the 95% t-interval of the same mean of the intervals'
+    midpoints at their degrees of freedom summed (a single point keeps its own). The interval
+    stays the measured one's when the means are redrawn (`extrapolation_spread`)."""
+    from scipy import stats
+
+    dof = (g.rounds - 1).clip(lower=1).to_numpy(float)
+    se = ((g.step_hi - g.step_lo) / (2 * stats.t.ppf(0.975, dof))).to_numpy(float)
+    w = 1 / np.maximum(se, 1e-9) ** 2
+    mid = float(np.sum(w * (g.step_lo + g.step_hi).to_numpy(float) / 2) / w.sum())
+    half = float(stats.t.ppf(0.975, dof.sum()) / np.sqrt(w.sum()))
+    return pd.Series({"step_ms": float(np.sum(w * g.step_ms.to_numpy(float)) / w.sum()),
+                      "step_lo": mid - half, "step_hi": mid + half})
+
+
 def extrapolate(costs: pd.DataFrame, drafts: pd.DataFrame, rates, layers: int =
                 PRODUCTION_LAYERS, eager: bool = False, ks=range(1, 6)) -> dict:
-    """Predicted speedup per (k, B) at `layers` decoder layers: per batch size n, a line
-    T_plain(n, L) = a + b L through the measured layer counts (least squares; needs two),
-    the drafter times of the deepest measured run (the draft does not grow with the target).
-    A batch size is extrapolated only where the deepest plain step's 95% interval lies above
-    the shallowest one's: a step that does not grow resolvably with depth is host time, and
-    a line through it says nothing about `layers` (ValueError when no batch size resolves).
-    Returns {"fit": rows of (n, a, b, resolved), "prediction": rows like `predict`, "plain":
-    the plain steps at `layers`, "drafts": the drafter times used}."""
+    """Predicted speedup per (k, B) at `layers` decoder layers: per graph size n (the rows a
+    plain step ran, `step_costs`' `rows`: an engine without an n-row graph runs B = n on a
+    larger one, so steps are paired across depths by rows, never by B), a line
+    T_plain(n, L) = a + b L through the measured layer counts (least squares; needs two;
+    where several batch sizes ran one graph at one depth, their steps pooled by
+    `_pooled_step`), the drafter times of the deepest
+    measured run (the draft does not grow with the target). A size is extrapolated only
+    where the deepest plain step's 95% interval lies above the shallowest one's: a step that
+    does not grow resolvably with depth is host time, and a line through it says nothing
+    about `layers` (ValueError when no size resolves). Returns {"fit": rows of (n, a, b,
+    resolved), "prediction": rows like `predict`, "plain": the plain steps at `layers` (B =
+    rows = n), "drafts": the drafter times used}."""
     plain = costs[(costs.k == 0) & (costs.eager == eager)]
     Ls = sorted(int(x) for x in plain.layers.unique())
     if len(Ls) < 2:
         raise ValueError("extrapolation needs plain steps at two layer counts; have "
                          f"{Ls}")
     fit, synth = [], []
-    for n, g in plain.groupby("B"):
-        if g.layers.nunique() < 2:
+    for n, g in plain.groupby("rows"):
+        by_L = g.groupby("layers")[["step_ms", "step_lo", "step_hi", "rounds"]].apply(
+            _pooled_step).sort_index()
+        if len(by_L) < 2:
             continue
-        b, a = np.polyfit(g.layers.astype(float), g.step_ms, 1)
-        lo, hi = g.loc[g.layers.idxmin()], g.loc[g.layers.idxmax()]
-        resolved = bool(hi.step_lo > lo.step_hi)
+        b, a = np.polyfit(by_L.index.to_numpy(float), by_L.step_ms, 1)
+        resolved = bool(by_L.step_lo.iloc[-1] > by_L.step_hi.iloc[0])
         fit.append({"n": int(n), "a_ms": a, "b_ms_per_layer": b, "resolved": resolved})
         if resolved:
             synth.append({"layers": layers, "eager": eager, "k": 0, "B": int(n),
-                          "rows": int(hi.rows),
-                          "step_ms": a + b * layers})
+                          "rows": int(n), "step_ms": a + b * layers})
     if not synth:
         raise ValueError(f"the plain step does not grow beyond its 95% interval from "
-                         f"{Ls[0]} to {Ls[-1]} layers at any batch size (host-bound "
+                         f"{Ls[0]} to {Ls[-1]} layers at any graph size (host-bound "
                          f"steps): a line through them says nothing about {layers} layers")
     deepest = max(drafts[drafts.eager == eager].layers, default=Ls[-1])
     d = drafts[(drafts.layers == deepest) & (drafts.eager == eager)].assign(layers=layers)

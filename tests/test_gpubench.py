@@ -88,13 +88,13 @@ def test_mtp_engines_draft_with_the_targets_own_head(tmp_path, fake_pair, monkey
                                      "L32-k4-graphs"]
     assert nxt[0].extra_batches == (2, 8, 18, 20, 24, 32, 64) and nxt[0].batches == (1, 4, 16)
     assert set(nxt[0].capture_sizes) >= {18, 20} and nxt[3].batches == (1, 4, 16)
-    final = P.PLANS["timing-deep-final"]()  # plain at 24 for the fit first, then k = 4 in full
-    assert [e.name for e in final] == ["L24-k0-graphs", "L32-k0-graphs", "L32-k4-graphs"]
-    verify = {cudagraphs.graph_rows(b, 5) for b in final[2].batches}
-    assert verify == {5, 20, 80} <= {*final[1].batches, *final[1].extra_batches}
+    final = P.PLANS["timing-deep-final"]()  # k = 4 in full after its plain, then the fit
+    assert [e.name for e in final] == ["L32-k0-graphs", "L32-k4-graphs", "L24-k0-graphs"]
+    verify = {cudagraphs.graph_rows(b, 5) for b in final[1].batches}
+    assert verify == {5, 20, 80} <= {*final[0].batches, *final[0].extra_batches}
     # plain at 24 layers at every row count a B = 1 or 4 verify step runs below 16
-    rows24 = {*final[0].batches, *final[0].extra_batches}
-    assert rows24 == {1, 2, 3, 4, 5, 6, 8, 16} <= set(final[0].capture_sizes)
+    rows24 = {*final[2].batches, *final[2].extra_batches}
+    assert rows24 == {1, 2, 3, 4, 5, 6, 8, 16} <= set(final[2].capture_sizes)
     mtp2 = P.PLANS["timing-deep-mtp2"]()  # MTP k = 2 at B = 1, 4, 16 and k = 1 at B = 4
     assert [e.name for e in mtp2] == ["L32-k0-graphs", "L32-k2-graphs-mtp", "L32-k1-graphs-mtp"]
     assert mtp2[0].extra_batches == (2, 3, 8, 18, 32, 48) and mtp2[2].batches == (4,)
@@ -105,8 +105,8 @@ def test_mtp_engines_draft_with_the_targets_own_head(tmp_path, fake_pair, monkey
     # 192 requests of ~1,100 tokens hold 2.9 GiB of KV: the plain engine gets 3 x 2 GiB
     need = 192 * memory.kv_request_bytes(realshape.realshape_config(32), "fp8", 1100)
     assert P.KV_BYTES < need < b64[0].kv_bytes == 3 * P.KV_BYTES
-    assert [e.kv_bytes for e in (*b64[1:], *final)] == [P.KV_BYTES] * 3 + [2 * P.KV_BYTES] + \
-        [P.KV_BYTES]  # 80 rows at 32 layers: over the 64 that ran in 2 GiB
+    assert [e.kv_bytes for e in (*b64[1:], *final)] == [P.KV_BYTES] * 2 + [2 * P.KV_BYTES] + \
+        [P.KV_BYTES] * 2  # 80 rows at 32 layers: over the 64 that ran in 2 GiB
     state = tmp_path / "state"
     assert G.drive(state, time.time() + 300, "smoke-mtp", 1, paths=fake_pair) == 0
     rows = [json.loads(x) for x in (state / "results.jsonl").read_text().splitlines()]

@@ -193,16 +193,15 @@ def next_plan(layers: int = 32) -> list[Engine]:
 
 
 def final_plan(layers: int = 32, shallow: int = 24) -> list[Engine]:
-    """What issue 23's grid still lacks after 2026-12-05, most needed first (a deadline cuts
-    the last engines): plain at `shallow` layers at every row count a B = 1 or 4 verify step
-    runs below 16 (the 43-layer fit had only 1, 4, 16 and 64 there, and its 4-row point 3
-    rounds, so the B = 1 prediction spanned 1.36-1.81x); then EAGLE-3 k = 4 at B = 1, 4, 16
-    with all its rounds and split passes, after plain at B = 1, 4, 16 and the rows of its
-    verify graphs (5, 20, 80)."""
+    """What issue 23's grid still lacks after 2026-12-06, most needed first (a deadline cuts
+    the last engines): EAGLE-3 k = 4 at B = 1, 4, 16 with all its rounds and split passes (2-3
+    rounds so far, the one k short of five), after plain at B = 1, 4, 16 and the rows of its
+    verify graphs (5, 20, 80); then plain at `shallow` layers at every row count a B = 1 or 4
+    verify step runs below 16 (the layer fit's 24-layer points, 2 rounds on 2026-12-06)."""
     plain = Engine(layers, 0, batches=(1, 4, 16), extra_batches=verify_batches((1, 4, 16), (4,)))
     small = tuple(n for n in verify_batches((1, 4), range(1, 6)) if n < 16)
-    return [Engine(shallow, 0, batches=(1, 4, 16), extra_batches=small), plain,
-            Engine(layers, 4, batches=(1, 4, 16))]
+    return [plain, Engine(layers, 4, batches=(1, 4, 16)),
+            Engine(shallow, 0, batches=(1, 4, 16), extra_batches=small)]
 
 
 def mtp2_plan(layers: int = 32) -> list[Engine]:

@@ -199,6 +199,24 @@ def test_the_h100_plan_fits_one_engine_at_a_time():
     assert h100[0].extra_batches == (2, 3, 4, 32, 48, 64) and h100[-1].layers == 12
 
 
+def test_the_held_depth_plan_fits_an_h200_one_engine_at_a_time():
+    """`timing-deep-36`: 36 layers with the EAGLE3.1-shaped draft fit what an H200 group may
+    plan (93% of 140.4 GiB), one engine at a time; 38 layers (the control) would not."""
+    plan = P.PLANS["timing-deep-36"]()
+    assert [e.name for e in plan] == ["L36-k0-graphs", "L36-k3-graphs", "L36-k1-graphs"]
+    assert plan[0].extra_batches == (2, 8, 32, 64)  # k = 1 and 3's verify rows beside 1, 4, 16
+    gib = lambda cfg: sum(memory.weight_bytes(cfg)) / memory.GiB
+    weights = {L: gib(cfg := realshape.realshape_config(L)) + gib(realshape.draft_config(cfg))
+               for L in (36, 38)}
+    h200 = G.CAPACITY * 140.4
+    assert [len(g) for g in G.pack_groups(plan, weights, h200, G.OVERHEAD_GIB)] == [1] * 3
+    need = max(weights[36] + e.kv_bytes / memory.GiB + G.OVERHEAD_GIB for e in plan)
+    assert need < h200 < weights[38] + 2 + G.OVERHEAD_GIB
+    both = [e.name for e in P.PLANS["timing-deep-final-36"]()]  # k = 4 and 36's core first
+    assert both == ["L32-k0-graphs", "L32-k4-graphs", "L36-k0-graphs", "L36-k3-graphs",
+                    "L24-k0-graphs", "L36-k1-graphs"]
+
+
 def test_groups_pack_by_memory_and_layer_count():
     plan = P.timing_plan("drafteager")
     groups = G.pack_groups(plan, {4: 17.0, 8: 30.3}, 130.0, 2.5)

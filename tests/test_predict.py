@@ -294,6 +294,28 @@ def test_extrapolation_pairs_depths_by_graph_rows():
     assert np.allclose(by_B[[1, 2, 4, 8]], [law(n, 43) for n in (1, 2, 4, 8)])
 
 
+def test_a_depth_held_out_checks_the_extrapolation():
+    """With three depths the deepest with speculative points (12) is left out: the line
+    through 4 and 8 layers and the 8-layer drafter predict its plain steps and speedups
+    within 3%. The control: plain passes at 12 layers 15% slower than the law (the per-layer
+    cost not linear past 8) make both checks miss by over 10%."""
+    res = rows(layers=(4, 8, 12), rounds=3)
+    h = predict.held_out(res)
+    assert set(h.layers) == {12} and set(h.from_layers) == {"[4, 8]"}
+    assert set(h.kind) == {"plain", "spec"} and len(h[h.kind == "spec"]) == 15
+    assert h.error.abs().max() < 0.03
+    plain = h[h.kind == "plain"].set_index("rows")
+    assert plain.predicted[16] == pytest.approx(t_plain(16, 12), rel=0.01)
+    slow = res.copy()
+    bent = (slow.layers == 12) & (slow.k == 0)
+    slow.loc[bent, "t_full_s"] = 0.01 + (slow.loc[bent, "t_full_s"] - 0.01) * 1.15
+    c = predict.held_out(slow)
+    assert (c[c.kind == "plain"].error < -0.10).all() and (c[c.kind == "spec"].error < -0.10).all()
+    assert predict.held_out(rows(layers=(4, 8), rounds=2)).empty  # two depths: none to spare
+    section = "\n".join(predictreport._held_out_lines(res, 43))
+    assert section.startswith("## A depth held out") and "Largest |error|" in section
+
+
 def test_pass_length_comes_from_the_pass():
     """Passes of 512 tokens (`gpubench drive --tokens 512`) price the same steps and AL, and
     a batch's tail is a smaller share of a longer pass."""
@@ -358,6 +380,7 @@ def test_report_writes_tables_figure_and_html(tmp_path):
     (run / "call1" / "results.jsonl").write_text(res.to_json(orient="records", lines=True))
     md = predictreport.report(run).read_text()
     assert "Predicted vs measured" in md and "43 layers" in md and "largest |error|" in md
+    assert "A depth held out" not in md  # two depths: the fit needs both
     # this law's per-layer step is 0.3 ms whatever the batch: no experts' part to carry to a node
     assert "## On a TP 8 + EP node\n\nNot computed: the per-layer step does not grow" in md
     assert (run / "figures" / "speedup_vs_k.png").exists() and (run / "predict.html").exists()

@@ -204,6 +204,19 @@ def final_plan(layers: int = 32, shallow: int = 24) -> list[Engine]:
             Engine(shallow, 0, batches=(1, 4, 16), extra_batches=small)]
 
 
+def held_depth_plan(layers: int = 36) -> list[Engine]:
+    """A third depth for the layer fit, beyond it (`predict.held_out`: the 24/32-layer line and
+    the 32-layer drafter predict it before it is read): plain at `layers` at B = 1, 4, 16 and
+    the verify rows of k = 1 and 3, then EAGLE-3 k = 3 and k = 1 at B = 1, 4, 16 (the best k
+    at B = 1, 16 and at B = 4 at 43 layers; k = 1 last, for a deadline to cut). 36 layers
+    with the draft are 122.7 GiB of weights; with KV and `gpubench`'s per-engine overhead
+    the largest engine needs 128.5 GiB (plain: 4 GiB of KV for 64 rows) of the 130.6 an
+    H200 group may plan (38 layers would not fit)."""
+    plain = Engine(layers, 0, batches=(1, 4, 16),
+                   extra_batches=verify_batches((1, 4, 16), (1, 3)))
+    return [plain, *(Engine(layers, k, batches=(1, 4, 16)) for k in (3, 1))]
+
+
 def mtp2_plan(layers: int = 32) -> list[Engine]:
     """The MTP head where the 43-layer prediction rests on no measurement (2026-12-05): k = 2,
     its predicted best at B = 1 (drafter time read between k = 1 and 3), at B = 1, 4, 16, and
@@ -254,7 +267,11 @@ PLANS = {**{f"timing-{v}": (lambda v=v: timing_plan(v)) for v in DRAFT_VARIANTS}
          "timing-h100": h100_plan,
          "timing-deep-mtp": mtp_plan, "timing-deep-next": next_plan,
          "timing-deep-final": final_plan, "timing-deep-b64": b64_plan,
-         "timing-deep-mtp2": mtp2_plan,
+         "timing-deep-mtp2": mtp2_plan, "timing-deep-36": held_depth_plan,
+         # one H200 session for both, the parts a deadline may cut last: k = 4 in full and
+         # the held depth's plain and k = 3, then the 24-layer fit rows and k = 1 at 36
+         "timing-deep-final-36": lambda: [*final_plan()[:2], *held_depth_plan()[:2],
+                                          final_plan()[2], held_depth_plan()[2]],
          # the B = 4 loss of 2026-12-05: plain at every verify size of B = 4, k = 4 in full
          "timing-deep-b4": lambda: [Engine(32, 0, batches=(4,),
                                            extra_batches=verify_batches((4,), range(1, 6))),

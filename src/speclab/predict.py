@@ -29,7 +29,7 @@ acceptance profile alone), and a pass's tok/s sees E[sum_j T_spec(n_j)] / sum_j 
 `validate` puts every measured speculative point beside its prediction and `error_budget` splits
 the step it misses into the parts the model leaves out; `extrapolate` fits
 T_plain(n, L) = a(n) + b(n) L over the measured layer counts and predicts at the production
-depth.
+depth, and `held_out` checks that chain at a measured depth left out of the fit.
 """
 
 from __future__ import annotations
@@ -654,20 +654,18 @@ def _pooled_step(g: pd.DataFrame) -> pd.Series:
                       "step_lo": mid - half, "step_hi": mid + half})
 
 
-def extrapolate(costs: pd.DataFrame, drafts: pd.DataFrame, rates, layers: int =
-                PRODUCTION_LAYERS, eager: bool = False, ks=range(1, 6)) -> dict:
-    """Predicted speedup per (k, B) at `layers` decoder layers: per graph size n (the rows a
-    plain step ran, `step_costs`' `rows`: an engine without an n-row graph runs B = n on a
-    larger one, so steps are paired across depths by rows, never by B), a line
-    T_plain(n, L) = a + b L through the measured layer counts (least squares; needs two;
-    where several batch sizes ran one graph at one depth, their steps pooled by
-    `_pooled_step`), the drafter times of the deepest
-    measured run (the draft does not grow with the target). A size is extrapolated only
-    where the deepest plain step's 95% interval lies above the shallowest one's: a step that
-    does not grow resolvably with depth is host time, and a line through it says nothing
-    about `layers` (ValueError when no size resolves). Returns {"fit": rows of (n, a, b,
-    resolved), "prediction": rows like `predict`, "plain": the plain steps at `layers` (B =
-    rows = n), "drafts": the drafter times used}."""
+def fit_layers(costs: pd.DataFrame, layers: int, eager: bool = False) -> tuple[
+        pd.DataFrame, pd.DataFrame]:
+    """The plain step at `layers` decoder layers from the measured layer counts: per graph
+    size n (the rows a plain step ran, `step_costs`' `rows`: an engine without an n-row graph
+    runs B = n on a larger one, so steps are paired across depths by rows, never by B), a line
+    T_plain(n, L) = a + b L (least squares; needs two layer counts; where several batch
+    sizes ran one graph at one depth, their steps pooled by `_pooled_step`). A size is
+    extrapolated only where the deepest plain step's 95% interval lies above the shallowest
+    one's: a step that does not grow resolvably with depth is host time, and a line through
+    it says nothing about `layers` (ValueError when no size resolves, or fewer than two
+    layer counts). Returns (rows of (n, a_ms, b_ms_per_layer, resolved), the plain steps at
+    `layers` as `step_costs` rows with B = rows = n)."""
     plain = costs[(costs.k == 0) & (costs.eager == eager)]
     Ls = sorted(int(x) for x in plain.layers.unique())
     if len(Ls) < 2:
@@ -689,12 +687,76 @@ def extrapolate(costs: pd.DataFrame, drafts: pd.DataFrame, rates, layers: int =
         raise ValueError(f"the plain step does not grow beyond its 95% interval from "
                          f"{Ls[0]} to {Ls[-1]} layers at any graph size (host-bound "
                          f"steps): a line through them says nothing about {layers} layers")
+    return pd.DataFrame(fit), pd.DataFrame(synth)
+
+
+def extrapolate(costs: pd.DataFrame, drafts: pd.DataFrame, rates, layers: int =
+                PRODUCTION_LAYERS, eager: bool = False, ks=range(1, 6)) -> dict:
+    """Predicted speedup per (k, B) at `layers` decoder layers: the plain steps there from
+    `fit_layers`, the drafter times of the deepest measured run (the draft does not grow
+    with the target). Returns {"fit": `fit_layers`' lines, "prediction": rows like
+    `predict`, "plain": the plain steps at `layers` (B = rows = n), "drafts": the drafter
+    times used}."""
+    fit, plain = fit_layers(costs, layers, eager)
+    Ls = sorted(int(x) for x in costs[(costs.k == 0) & (costs.eager == eager)].layers.unique())
     deepest = max(drafts[drafts.eager == eager].layers, default=Ls[-1])
     d = drafts[(drafts.layers == deepest) & (drafts.eager == eager)].assign(layers=layers)
     spec_B = sorted(costs[costs.k > 0].B.unique())
-    pred = predict(pd.DataFrame(synth), d, rates, ks=ks, batches=spec_B)
-    return {"fit": pd.DataFrame(fit), "prediction": pred, "layers_measured": Ls,
-            "drafts_from_layers": int(deepest), "plain": pd.DataFrame(synth), "drafts": d}
+    pred = predict(plain, d, rates, ks=ks, batches=spec_B)
+    return {"fit": fit, "prediction": pred, "layers_measured": Ls,
+            "drafts_from_layers": int(deepest), "plain": plain, "drafts": d}
+
+
+def held_out(results: pd.DataFrame, max_tokens: int = 128) -> pd.DataFrame:
+    """The depth extrapolation checked against a depth it did not see: per eager/graphs
+    configuration, the deepest layer count with speculative points and plain steps is left
+    out, `extrapolate`'s chain (`fit_layers` over the other layer counts, two or more; the
+    drafter times of the deepest of them) predicts it, and the measurement there is the
+    check. Rows: `kind` "plain" (per graph size: the measured step, pooled as the fit pools,
+    against the line's) and "spec" (per point: the measured speedup against the prediction
+    at the point's measured acceptance, as `validate` does), with `measured`, its 95%
+    interval (`lo`, `hi`), `predicted` and `error` = predicted / measured - 1, and the
+    layer counts fitted (`from_layers`). Empty where no configuration has such a depth."""
+    costs = step_costs(results, max_tokens)
+    if costs.empty:
+        return pd.DataFrame()
+    drafts, timed, rows = draft_ms(results), passes(results, max_tokens), []
+    for eager, c in costs.groupby("eager"):
+        plain_L = set(c[c.k == 0].layers)
+        held = max((L for L in set(c[c.k > 0].layers) & plain_L if len(plain_L - {L}) >= 2),
+                   default=None)
+        if held is None:
+            continue
+        seen = c[c.layers != held]
+        try:
+            _, synth = fit_layers(seen, held, eager)
+        except ValueError:
+            continue
+        from_L = sorted(int(x) for x in seen[seen.k == 0].layers.unique())
+        base = {"layers": int(held), "eager": eager, "from_layers": str(from_L)}
+        line = synth.set_index("rows").step_ms
+        measured = c[(c.layers == held) & (c.k == 0)].groupby("rows")[
+            ["step_ms", "step_lo", "step_hi", "rounds"]].apply(_pooled_step)
+        for n, m in measured.iterrows():
+            if n in line.index:
+                rows.append({**base, "kind": "plain", "draft": "", "k": 0, "B": int(n),
+                             "rows": int(n), "measured": m.step_ms, "lo": m.step_lo,
+                             "hi": m.step_hi, "predicted": line[n],
+                             "error": line[n] / m.step_ms - 1})
+        d = drafts[drafts.eager == eager]
+        d = d[d.layers == max(d[d.layers != held].layers, default=held)].assign(layers=held)
+        for _, r in c[(c.layers == held) & (c.k > 0)].iterrows():
+            p = predict(synth, d, _measured_rates(r, timed), ks=[r.k], batches=[r.B],
+                        tokens=int(np.rint(r.tokens)))
+            p = p[p.draft == r.draft]
+            if p.empty or np.isnan(p.pred_speedup.iloc[0]):
+                continue
+            rows.append({**base, "kind": "spec", "draft": r.draft, "k": int(r.k),
+                         "B": int(r.B), "rows": int(p.verify_rows.iloc[0]),
+                         "measured": r.speedup, "lo": r.speedup_lo, "hi": r.speedup_hi,
+                         "predicted": p.pred_speedup.iloc[0],
+                         "error": p.pred_speedup.iloc[0] / r.speedup - 1})
+    return pd.DataFrame(rows)
 
 
 def extrapolation_spread(costs: pd.DataFrame, drafts: pd.DataFrame, rates, layers: int =

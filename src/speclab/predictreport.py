@@ -16,10 +16,12 @@ PADDING_BATCHES = (*range(1, 9), 10, 12, 16, 20, 24, 32, 48, 64)  # the padding 
 
 REFERENCE_RUNS = ("h200-realshape-20261204-vllm026-graphs",
                   "h200-realshape-20261205-vllm026-deeprest",
-                  "h200-realshape-20261205-vllm026-next")
+                  "h200-realshape-20261205-vllm026-next",
+                  "h200-realshape-20261206-vllm026-fit24")
 """The H200 runs the README's "how much faster?" answer pools (32 real-shape layers, vLLM
 0.26.0, target and drafter in CUDA graphs): EAGLE-3 at k = 1..5 with plain at 24 and 32
-layers, and DeepSeek-V4's own MTP head at k = 1 and 3."""
+layers, DeepSeek-V4's own MTP head at k = 1 and 3, and plain at 24 layers at every graph
+size below 16 rows (the layer fit)."""
 
 
 def reference_runs() -> list[Path] | None:
@@ -208,6 +210,7 @@ def report(runs, rates=predict.PUBLISHED_EAGLE31,
                    f"({worst[part]:.2f} ms)."), "",
                   _md(budget, [*CONFIG, "k", "B", "step_ms", "pred_step_ms", "error", "err_ms",
                                *predict.BUDGET]), ""]
+    lines += _held_out_lines(res, layers)
     try:
         by_method = {"eagle3": list(rates), "mtp": list(mtp_rates)}
         ex = predict.extrapolate(costs, drafts, by_method, layers)
@@ -255,6 +258,25 @@ def report(runs, rates=predict.PUBLISHED_EAGLE31,
 
 
 SPREAD_DRAWS = 200
+
+
+def _held_out_lines(res: pd.DataFrame, layers: int) -> list[str]:
+    """`predict.held_out` as report lines (none where no depth can be spared)."""
+    h = predict.held_out(res)
+    if h.empty:
+        return []
+    worst = h.loc[h.error.abs().idxmax()]
+    return ["## A depth held out", "",
+            (f"The {layers}-layer prediction extrapolates a line through the measured layer "
+             "counts. Here the deepest layer count with speculative points is left out and "
+             "predicted the same way (`predict.held_out`: the line through the other layer "
+             "counts, the drafter times of the deepest of them; each speculative point at its "
+             "own measured acceptance): `plain` rows are plain steps (ms) per graph size, "
+             "`spec` rows speedups. Largest |error| "
+             f"{abs(worst.error):.1%} ({worst.kind}, B = {int(worst.B)}"
+             + (f", k = {int(worst.k)}" if worst.kind == "spec" else "") + ")."), "",
+            _md(h, ["layers", "from_layers", "kind", "draft", "k", "B", "rows", "measured",
+                    "lo", "hi", "predicted", "error"]), ""]
 
 
 def _spread_lines(costs, drafts, rates, layers: int) -> list[str]:

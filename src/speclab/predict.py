@@ -711,7 +711,8 @@ def held_out(results: pd.DataFrame, max_tokens: int = 128) -> pd.DataFrame:
     """The depth extrapolation checked against a depth it did not see: per eager/graphs
     configuration, the deepest layer count with speculative points and plain steps is left
     out, `extrapolate`'s chain (`fit_layers` over the other layer counts, two or more; the
-    drafter times of the deepest of them) predicts it, and the measurement there is the
+    drafter times of the deepest of them that has any, else the held depth's own: the draft
+    does not grow with the target) predicts it, and the measurement there is the
     check. Rows: `kind` "plain" (per graph size: the measured step, pooled as the fit pools,
     against the line's) and "spec" (per point: the measured speedup against the prediction
     at the point's measured acceptance, as `validate` does), with `measured`, its 95%

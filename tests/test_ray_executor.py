@@ -108,16 +108,21 @@ def test_compare_counters_checks_counters_and_tokens_and_reports_throughput(tmp_
     rc, out, rep = _compare(tmp_path / "same", capsys, None, [5, 6, 7], [101.0, 99.0, 103.0])
     assert rc == 0, out
     assert "counters equal, tokens equal; tok/s 100.0 [90.1, 109.9] vs 101.0 [96.0, 106.0] " \
-        "(3 and 3 rounds): within" in out
+        "(3 and 3 rounds): within; B/A 1.01 [0.93, 1.10]" in out
     assert (rep["identical"], rep["within"]) == (1, 1)
     assert rep["points"][0]["b"] == {"tok_s": 101.0, "lo": pytest.approx(96.03, abs=0.01),
                                      "hi": pytest.approx(105.97, abs=0.01), "rounds": 3,
-                                     "nice": []}
+                                     "nice": [], "passes": [101.0, 99.0, 103.0]}
     assert "niceness" not in out  # runs from before the passes recorded it
     rc, out, rep = _compare(tmp_path / "slow", capsys, None, [5, 6, 7], [70.0, 71.0, 72.0],
                             nice=([0, 0, 0], [15, 0, 15]))
-    assert rc == 0 and ": OUTSIDE; niceness 0 vs 0,15" in out and rep["within"] == 0
-    assert rep["points"][0]["b"]["nice"] == [0, 15]
+    assert rc == 0 and ": OUTSIDE; B/A 0.71 [0.65, 0.78]; niceness 0 vs 0,15" in out
+    assert rep["within"] == 0 and rep["points"][0]["b"]["nice"] == [0, 15]
+    # passes spread +-20% (as the H100's of 2026-12-06): within, and the ratio's interval
+    # says the comparison could not have told a 30% deficit from noise
+    rc, out, rep = _compare(tmp_path / "noisy", capsys, None, [5, 6, 7], [120.0, 80.0, 101.0])
+    q = rep["points"][0]["ratio"]
+    assert rc == 0 and rep["within"] == 1 and q["lo"] < 0.7 and q["hi"] > 1.3
     rc, out, _ = _compare(tmp_path / "tokens", capsys, None, [5, 6, 8], [101.0, 99.0, 103.0])
     assert rc == 1 and "tokens differ" in out
     other = {"num_drafts": 1, "num_draft_tokens": 3, "num_accepted_tokens": 1,
@@ -126,7 +131,7 @@ def test_compare_counters_checks_counters_and_tokens_and_reports_throughput(tmp_
                             [101.0, 99.0, 103.0])
     assert rc == 1 and "!=" in out and rep["identical"] == 0
     rc, out, _ = _compare(tmp_path / "one", capsys, None, [5, 6, 7], [101.0])
-    assert rc == 0 and "101.0 (3 and 1 rounds): no interval" in out
+    assert rc == 0 and "101.0 (3 and 1 rounds): no interval; B/A 1.01\n" in out
 
 
 # --------------------------------------------------------------------- a real cluster

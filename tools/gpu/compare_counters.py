@@ -5,8 +5,10 @@
 For each point both measured (status ok): the speculative-decoding counters and output tokens,
 which must be identical, and each run's throughput with its 95% interval over the timing
 rounds (speclab.analysis.speed): "within" when each run's mean lies inside the other's
-interval ("no interval" below 2 rounds), and the niceness each run's engines ran at where
-its passes recorded it (Ray's workers start at 15). Prints one line per shared point; --out
+interval ("no interval" below 2 rounds); B's throughput over A's with its 95% interval
+(`analysis.unpaired_ratio_ci` of the passes: how large a difference the comparison could
+have told from noise); and the niceness each run's engines ran at where its passes recorded
+it (Ray's workers start at 15). Prints one line per shared point; --out
 writes the same as JSON. Exits 1 if any counters or tokens differ or no point is shared;
 throughput outside the intervals is reported (a measurement), not an error."""
 
@@ -19,15 +21,19 @@ from pathlib import Path
 from speclab import analysis, store
 
 
+def num(x: float) -> float | None:
+    return None if math.isnan(x) else float(x)
+
+
 def speeds(points) -> dict[str, dict]:
-    """Point id -> {tok_s, lo, hi, rounds, nice} of a run's ok points; nice: the niceness
-    values its passes recorded, sorted (empty where none did)."""
+    """Point id -> {tok_s, lo, hi, rounds, nice, passes} of a run's ok points; nice: the
+    niceness values its passes recorded, sorted (empty where none did); passes: their tok/s."""
     passes = {r.point_id: r.passes if isinstance(r.passes, list) else [{}]
               for r in points.itertuples()}
-    num = lambda x: None if math.isnan(x) else float(x)
     return {r.point_id: {"tok_s": num(r.throughput_tok_s), "lo": num(r.tput_lo),
                          "hi": num(r.tput_hi), "rounds": len(passes[r.point_id]),
-                         "nice": sorted({p["nice"] for p in passes[r.point_id] if "nice" in p})}
+                         "nice": sorted({p["nice"] for p in passes[r.point_id] if "nice" in p}),
+                         "passes": [p["tok_s"] for p in passes[r.point_id] if "tok_s" in p]}
             for r in analysis.speed(points).itertuples()}
 
 
@@ -48,9 +54,12 @@ def compare(a: str, b: str) -> list[dict]:
         ca, cb = store.read_meta(a, pid)["counters"], store.read_meta(b, pid)["counters"]
         ta = {r.prompt_id: list(r.output_token_ids) for r in ra[ra.point_id == pid].itertuples()}
         tb = {r.prompt_id: list(r.output_token_ids) for r in rb[rb.point_id == pid].itertuples()}
+        ratio = analysis.unpaired_ratio_ci(sb[pid]["passes"] or [sb[pid]["tok_s"]],
+                                           sa[pid]["passes"] or [sa[pid]["tok_s"]])
         rows.append({"point_id": pid, "counters_equal": ca == cb, "tokens_equal": ta == tb,
                      "counters": [ca, cb], "a": sa[pid], "b": sb[pid],
-                     "throughput_within": within(sa[pid], sb[pid])})
+                     "throughput_within": within(sa[pid], sb[pid]),
+                     "ratio": dict(zip(("b_over_a", "lo", "hi"), map(num, ratio)))})
     return rows
 
 
@@ -61,9 +70,11 @@ def line(r: dict) -> str:
                        for x in (r["a"], r["b"]))
     verdict = {True: "within", False: "OUTSIDE", None: "no interval"}[r["throughput_within"]]
     nice = " vs ".join(",".join(map(str, x["nice"])) or "?" for x in (r["a"], r["b"]))
+    q = r["ratio"]
+    ratio = f"{q['b_over_a']:.2f}" + (f" [{q['lo']:.2f}, {q['hi']:.2f}]" if q["lo"] else "")
     return (f"{r['point_id']}: counters {'equal' if r['counters_equal'] else f'{ca} != {cb}'}, "
             f"tokens {'equal' if r['tokens_equal'] else 'differ'}; tok/s {tput} "
-            f"({r['a']['rounds']} and {r['b']['rounds']} rounds): {verdict}"
+            f"({r['a']['rounds']} and {r['b']['rounds']} rounds): {verdict}; B/A {ratio}"
             + (f"; niceness {nice}" if r["a"]["nice"] or r["b"]["nice"] else ""))
 
 

@@ -123,18 +123,16 @@ def ratio_ci(num, den) -> tuple[float, float, float]:
 
 def unpaired_ratio_ci(num, den) -> tuple[float, float, float]:
     """(ratio of geometric means, lo, hi) of two independent samples (e.g. one point's passes
-    under two executors, run one after the other): a Welch t-interval on the difference of
-    the mean logs, transformed back (NaN bounds below 2 values in either)."""
+    under two executors, run one after the other): scipy's Welch t-interval on the difference
+    of the mean logs, transformed back (NaN bounds below 2 values in either)."""
     from scipy import stats
 
     a, b = np.log(np.asarray(num, dtype=float)), np.log(np.asarray(den, dtype=float))
     m = float(np.exp(a.mean() - b.mean())) if a.size and b.size else np.nan
     if a.size < 2 or b.size < 2:
         return m, np.nan, np.nan
-    va, vb = a.var(ddof=1) / a.size, b.var(ddof=1) / b.size
-    dof = (va + vb) ** 2 / (va ** 2 / (a.size - 1) + vb ** 2 / (b.size - 1)) if va + vb else 1
-    h = stats.t.ppf(0.975, dof) * np.sqrt(va + vb)
-    return m, float(m * np.exp(-h)), float(m * np.exp(h))
+    ci = stats.ttest_ind(a, b, equal_var=False).confidence_interval(0.95)
+    return m, float(np.exp(ci.low)), float(np.exp(ci.high))
 
 
 def _passes(row) -> dict[int, float]:

@@ -570,8 +570,7 @@ def validate(results: pd.DataFrame, max_tokens: int = 128) -> pd.DataFrame:
         rates, tokens = _measured_rates(r, timed), int(np.rint(r.tokens))
 
         def mine(r=r, rates=rates, drafts=drafts, **kw) -> pd.DataFrame:
-            p = predict(costs, drafts, rates, ks=[r.k], batches=[r.B], **kw)
-            return p[(p.layers == r.layers) & (p.eager == r.eager) & (p.draft == r.draft)]
+            return _point_prediction(costs, drafts, r, rates, **kw)
 
         p = mine(tokens=tokens)
         if p.empty:
@@ -627,6 +626,14 @@ def error_budget(validated: pd.DataFrame, anatomy: pd.DataFrame) -> pd.DataFrame
     return out.sort_values([*CONFIG, "B", "k"], ignore_index=True)
 
 
+def _point_prediction(costs: pd.DataFrame, drafts: pd.DataFrame, r, rates,
+                      **kw) -> pd.DataFrame:
+    """`predict`'s row for the measured point `r` (its layers, eager, draft, k and B) at
+    acceptance `rates`; `kw` goes to `predict`."""
+    p = predict(costs, drafts, rates, ks=[r.k], batches=[r.B], **kw)
+    return p[(p.layers == r.layers) & (p.eager == r.eager) & (p.draft == r.draft)]
+
+
 def _measured_rates(row, df: pd.DataFrame) -> list[float]:
     """The measured per-position acceptance of one engine configuration and batch size, over
     its timed passes `df` (`passes`)."""
@@ -654,6 +661,17 @@ def _pooled_step(g: pd.DataFrame) -> pd.Series:
                       "step_lo": mid - half, "step_hi": mid + half})
 
 
+def _pooled_by(costs: pd.DataFrame, key: str) -> pd.DataFrame:
+    """`costs`' steps pooled per value of `key` (`_pooled_step`), sorted by it."""
+    return costs.groupby(key)[["step_ms", "step_lo", "step_hi", "rounds"]].apply(
+        _pooled_step).sort_index()
+
+
+def _plain_layers(costs: pd.DataFrame, eager: bool) -> list[int]:
+    """The layer counts with plain steps at `eager`, sorted."""
+    return sorted(int(x) for x in costs[(costs.k == 0) & (costs.eager == eager)].layers.unique())
+
+
 def fit_layers(costs: pd.DataFrame, layers: int, eager: bool = False) -> tuple[
         pd.DataFrame, pd.DataFrame]:
     """The plain step at `layers` decoder layers from the measured layer counts: per graph
@@ -667,14 +685,13 @@ def fit_layers(costs: pd.DataFrame, layers: int, eager: bool = False) -> tuple[
     layer counts). Returns (rows of (n, a_ms, b_ms_per_layer, resolved), the plain steps at
     `layers` as `step_costs` rows with B = rows = n)."""
     plain = costs[(costs.k == 0) & (costs.eager == eager)]
-    Ls = sorted(int(x) for x in plain.layers.unique())
+    Ls = _plain_layers(costs, eager)
     if len(Ls) < 2:
         raise ValueError("extrapolation needs plain steps at two layer counts; have "
                          f"{Ls}")
     fit, synth = [], []
     for n, g in plain.groupby("rows"):
-        by_L = g.groupby("layers")[["step_ms", "step_lo", "step_hi", "rounds"]].apply(
-            _pooled_step).sort_index()
+        by_L = _pooled_by(g, "layers")
         if len(by_L) < 2:
             continue
         b, a = np.polyfit(by_L.index.to_numpy(float), by_L.step_ms, 1)
@@ -698,7 +715,7 @@ def extrapolate(costs: pd.DataFrame, drafts: pd.DataFrame, rates, layers: int =
     `predict`, "plain": the plain steps at `layers` (B = rows = n), "drafts": the drafter
     times used}."""
     fit, plain = fit_layers(costs, layers, eager)
-    Ls = sorted(int(x) for x in costs[(costs.k == 0) & (costs.eager == eager)].layers.unique())
+    Ls = _plain_layers(costs, eager)
     deepest = max(drafts[drafts.eager == eager].layers, default=Ls[-1])
     d = drafts[(drafts.layers == deepest) & (drafts.eager == eager)].assign(layers=layers)
     spec_B = sorted(costs[costs.k > 0].B.unique())
@@ -733,12 +750,10 @@ def held_out(results: pd.DataFrame, max_tokens: int = 128) -> pd.DataFrame:
             _, synth = fit_layers(seen, held, eager)
         except ValueError:
             continue
-        from_L = sorted(int(x) for x in seen[seen.k == 0].layers.unique())
-        base = {"layers": int(held), "eager": eager, "from_layers": str(from_L)}
+        base = {"layers": int(held), "eager": eager,
+                "from_layers": str(_plain_layers(seen, eager))}
         line = synth.set_index("rows").step_ms
-        measured = c[(c.layers == held) & (c.k == 0)].groupby("rows")[
-            ["step_ms", "step_lo", "step_hi", "rounds"]].apply(_pooled_step)
-        for n, m in measured.iterrows():
+        for n, m in _pooled_by(c[(c.layers == held) & (c.k == 0)], "rows").iterrows():
             if n in line.index:
                 rows.append({**base, "kind": "plain", "draft": "", "k": 0, "B": int(n),
                              "rows": int(n), "measured": m.step_ms, "lo": m.step_lo,
@@ -747,9 +762,8 @@ def held_out(results: pd.DataFrame, max_tokens: int = 128) -> pd.DataFrame:
         d = drafts[drafts.eager == eager]
         d = d[d.layers == max(d[d.layers != held].layers, default=held)].assign(layers=held)
         for _, r in c[(c.layers == held) & (c.k > 0)].iterrows():
-            p = predict(synth, d, _measured_rates(r, timed), ks=[r.k], batches=[r.B],
-                        tokens=int(np.rint(r.tokens)))
-            p = p[p.draft == r.draft]
+            p = _point_prediction(synth, d, r, _measured_rates(r, timed),
+                                  tokens=int(np.rint(r.tokens)))
             if p.empty or np.isnan(p.pred_speedup.iloc[0]):
                 continue
             rows.append({**base, "kind": "spec", "draft": r.draft, "k": int(r.k),

@@ -42,11 +42,11 @@ from pathlib import Path
 
 from IPython.display import Image, Markdown, display
 
-from speclab import notebook, predict, predictreport
+from speclab import notebook, predictreport, stepcosts
 from speclab.notebook import record
 
 run_dir, figures_dir = notebook.folders(profile, run_dir, figures_dir)
-source = predict.run_dirs(speed_run) if speed_run else predictreport.reference_runs()
+source = stepcosts.run_dirs(speed_run) if speed_run else predictreport.reference_runs()
 
 # %%
 if source is None:

@@ -68,13 +68,13 @@ def test_verify_forward_costs_its_graphs_rows():
     """On the H200 (committed run), every verify forward of k = 2 costs the plain step at its
     graph's rows within 5%; priced at its tokens (the control), the 12-token step is 20%
     cheaper than measured."""
-    from speclab import predict
+    from speclab import predict, stepcosts
 
-    res = predict.load(RUN)
+    res = stepcosts.load(RUN)
     v = predict.verify_by_rows(res).dropna(subset=["plain_rows_ms"]).set_index("tokens")
     assert v.loc[12, "rows"] == v.loc[15, "rows"] == 18 and v.loc[9, "rows"] == 9
     assert ((v.execute_ms / v.plain_rows_ms - 1).abs() < 0.05).all() and len(v) >= 10
-    curve = predict.rows_curve(predict.step_costs(res), 32, False)
+    curve = predict.rows_curve(stepcosts.step_costs(res), 32, False)
     assert predict.plain_at(curve, 12) == v.loc[12, "plain_tokens_ms"]
     assert v.loc[12, "plain_tokens_ms"] < 0.8 * v.loc[12, "execute_ms"]
 

@@ -491,7 +491,7 @@ def test_serve_engines_time_passes_behind_an_http_server(tmp_path, fake_pair, mo
     `vllm serve` (token-id prompts, streaming, /metrics) whose graphed drafter accepts
     nothing: each serve pass checks outputs and counters like an offline one (the graphed
     server is flagged: the control) and lands in `predict`'s serve table."""
-    from speclab import predict
+    from speclab import stepcosts
 
     monkeypatch.setenv("FAKE_VLLM_GRAPHED_DRAFT_REJECTS", "1")
     plain, graphed = P.PLANS["serve-smoke"]()
@@ -509,7 +509,7 @@ def test_serve_engines_time_passes_behind_an_http_server(tmp_path, fake_pair, mo
     eng = store.read_jsonl(state / "engines.jsonl")
     assert all(e["vllm"] == "0.0-fake" and any("MARLIN" in f for f in e["log_facts"])
                for e in eng)
-    served = predict.serve_costs(predict.load(state))
+    served = stepcosts.serve_costs(stepcosts.load(state))
     assert set(zip(served.k, served.B)) == {(0, 1), (0, 4), (3, 1), (3, 4)}
     assert served[served.k == 3].speedup.notna().all()
-    assert predict.step_costs(predict.load(state)).empty  # no offline pass among them
+    assert stepcosts.step_costs(stepcosts.load(state)).empty  # no offline pass among them

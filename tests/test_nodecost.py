@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from speclab import nodecost, predict, predictreport
+from speclab import layerfit, nodecost, predict, predictreport, stepcosts
 
 RUN = Path(__file__).resolve().parents[1] / "data/runs/h200-realshape-20261204-vllm026-graphs"
 
@@ -79,13 +79,13 @@ def test_expert_fit_recovers_the_per_expert_cost_and_refuses_what_it_cannot_spli
 
 
 def _extrapolated() -> dict:
-    res = predict.load(RUN)
-    return predict.extrapolate(predict.step_costs(res), predict.draft_ms(res),
+    res = stepcosts.load(RUN)
+    return layerfit.extrapolate(stepcosts.step_costs(res), stepcosts.draft_ms(res),
                                predict.PUBLISHED_EAGLE31)
 
 
 def test_one_gpu_is_the_cost_model():
-    """At G = 1 (no collectives, nothing to divide) every corner gives `predict.extrapolate`'s
+    """At G = 1 (no collectives, nothing to divide) every corner gives `layerfit.extrapolate`'s
     prediction exactly; the control: at G = 2 with nothing divided and free collectives, the
     busiest GPU reads fewer experts than one GPU does, and every verify step is cheaper."""
     ex = _extrapolated()

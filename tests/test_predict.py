@@ -8,7 +8,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from speclab import cudagraphs, predict, predictreport
+from speclab import cudagraphs, layerfit, predict, predictreport, stepcosts
 
 N = 128
 RATES = (0.7, 0.5, 0.35, 0.25, 0.18)
@@ -86,7 +86,7 @@ def rows(layers=(4,), rounds=5, rates=RATES, seed=0, n=N):
 
 
 def test_step_costs_and_speedup_ci():
-    c = predict.step_costs(rows())
+    c = stepcosts.step_costs(rows())
     steps, ms = batch(4, 3, 4, N)
     r = c[(c.k == 3) & (c.B == 4)].iloc[0]
     assert r.step_ms == pytest.approx(ms / steps, rel=0.02)  # decode over mean rounds
@@ -96,7 +96,7 @@ def test_step_costs_and_speedup_ci():
 
 
 def test_draft_times_use_verify_steps_only():
-    d = predict.draft_ms(rows())
+    d = stepcosts.draft_ms(rows())
     assert d[(d.k == 2) & (d.B == 16)].draft_ms.iloc[0] == pytest.approx(t_draft(2, 16))
 
 
@@ -105,9 +105,9 @@ def test_validate_recovers_measurement_and_controls_fail():
     v = predict.validate(res)
     assert len(v) == 15 and v.error.abs().max() < 0.03
     # control 1: without the drafter's time the predictions miss
-    no_draft = predict.predict(predict.step_costs(res),
-                               predict.draft_ms(res).assign(draft_ms=0.0), (0.7, 0.5, 0.35))
-    m = predict.step_costs(res)
+    no_draft = predict.predict(stepcosts.step_costs(res),
+                               stepcosts.draft_ms(res).assign(draft_ms=0.0), (0.7, 0.5, 0.35))
+    m = stepcosts.step_costs(res)
     k3 = no_draft[(no_draft.k == 3) & (no_draft.B == 1)].pred_speedup.iloc[0]
     meas = m[(m.k == 3) & (m.B == 1)].speedup.iloc[0]
     assert k3 / meas - 1 > 0.05
@@ -148,9 +148,9 @@ def test_the_h200_tails_are_predicted_from_acceptance():
     runs = Path(__file__).resolve().parents[1] / "data/runs"
     for name, ks in (("h200-realshape-20261204-vllm026-graphs", (1, 3)),
                      ("h200-realshape-20261205-vllm026-deeprest", (2,))):
-        res = predict.load(runs / name)
+        res = stepcosts.load(runs / name)
         v = predict.validate(res).set_index(["layers", "draft", "k", "B"])
-        a = predict.step_anatomy(res).set_index(["layers", "draft", "k", "B"])
+        a = stepcosts.step_anatomy(res).set_index(["layers", "draft", "k", "B"])
         for k in ks:
             key = (32, "", k, 16)
             assert abs(v.loc[key, "pred_tail_ms"] - a.loc[key, "tail_ms"]) < 0.15
@@ -188,12 +188,12 @@ def test_idle_is_the_step_the_gpu_does_not_run():
                   for r in (1, 2, 3)]
         return pd.DataFrame([split, *passes])
 
-    a = predict.step_anatomy(frame(0)).iloc[0]
+    a = stepcosts.step_anatomy(frame(0)).iloc[0]
     assert a.idle_ms == pytest.approx(0.5) and a.tail_ms == 0
-    assert predict.step_anatomy(frame(0.150)).idle_ms.iloc[0] == pytest.approx(3.5)
+    assert stepcosts.step_anatomy(frame(0.150)).idle_ms.iloc[0] == pytest.approx(3.5)
     last = [{"op": "execute", "tokens": 3, "reqs": 1, "ms": 2.0},
             {"op": "sample", "tokens": 3, "reqs": 1, "ms": 1.0}] * 2
-    a = predict.step_anatomy(frame(0, last)).iloc[0]
+    a = stepcosts.step_anatomy(frame(0, last)).iloc[0]
     assert a.tail_ms == pytest.approx((5 * 9.5 + 2 * 3) / 5.5 - 9.5)
     assert a.idle_ms == pytest.approx(10 - (5 * 9.5 + 2 * 3) / 5.5)
 
@@ -232,7 +232,7 @@ def test_best_k_and_profile_continuation():
     with pytest.raises(ValueError, match="non-increasing"):
         predict.acceptance_profile([0.3, 0.6], 2)
     res = rows()
-    p = predict.predict(predict.step_costs(res), predict.draft_ms(res), predict.PUBLISHED_EAGLE31)
+    p = predict.predict(stepcosts.step_costs(res), stepcosts.draft_ms(res), predict.PUBLISHED_EAGLE31)
     assert p.groupby("B").best.sum().eq(1).all()
 
 
@@ -241,7 +241,7 @@ def test_the_acceptance_length_that_breaks_even(monkeypatch):
     speedup is AL over it. At B = 4 the 12-token verify step of k = 2 replays the 18-row graph:
     priced unpadded (the control) it needs less, while k = 3's 16 rows need the same."""
     res = rows()
-    costs, drafts = predict.step_costs(res), predict.draft_ms(res)
+    costs, drafts = stepcosts.step_costs(res), stepcosts.draft_ms(res)
     a = predict.predict(costs, drafts, RATES).set_index(["B", "k"])
     b = predict.predict(costs, drafts, (0.9, 0.8, 0.7, 0.6, 0.5)).set_index(["B", "k"])
     assert np.allclose(a.pred_speedup, a.al / a.al_needed)
@@ -254,8 +254,8 @@ def test_the_acceptance_length_that_breaks_even(monkeypatch):
 
 def test_extrapolation_is_linear_in_layers():
     res = rows(layers=(4, 8), rounds=2)
-    costs, drafts = predict.step_costs(res), predict.draft_ms(res)
-    ex = predict.extrapolate(costs, drafts, predict.PUBLISHED_EAGLE31, layers=43)
+    costs, drafts = stepcosts.step_costs(res), stepcosts.draft_ms(res)
+    ex = layerfit.extrapolate(costs, drafts, predict.PUBLISHED_EAGLE31, layers=43)
     fit = ex["fit"].set_index("n")
     assert fit.loc[4].b_ms_per_layer == pytest.approx(0.3, rel=0.05)
     p = ex["prediction"]
@@ -263,7 +263,7 @@ def test_extrapolation_is_linear_in_layers():
     expect = 2.344 * t_plain(4, 43) / (t_plain(16, 43) + t_draft(3, 4))
     assert row.pred_speedup == pytest.approx(expect, rel=0.05)
     with pytest.raises(ValueError, match="two layer counts"):
-        predict.extrapolate(predict.step_costs(rows(rounds=2)), drafts, (0.6,))
+        layerfit.extrapolate(stepcosts.step_costs(rows(rounds=2)), drafts, (0.6,))
 
 
 def test_extrapolation_pairs_depths_by_graph_rows():
@@ -283,12 +283,12 @@ def test_extrapolation_pairs_depths_by_graph_rows():
           "rounds": 5} for L, sizes in fit_rows.items() for B, n in sizes.items()]
         + [{"layers": 32, "eager": False, "draft": "", "k": 1, "B": B, "rows": 2 * B,
             "step_ms": 9.0, "step_lo": 8.9, "step_hi": 9.1, "rounds": 5} for B in (1, 4)])
-    drafts = predict.draft_ms(rows(layers=(8,), rounds=1))
-    ex = predict.extrapolate(costs, drafts, predict.PUBLISHED_EAGLE31, layers=43)
+    drafts = stepcosts.draft_ms(rows(layers=(8,), rounds=1))
+    ex = layerfit.extrapolate(costs, drafts, predict.PUBLISHED_EAGLE31, layers=43)
     assert sorted(ex["fit"].n) == [1, 2, 4, 8]  # 3, 5 and 6 rows ran at 24 layers only
     plain = ex["plain"].set_index("rows").step_ms
     assert np.allclose(plain, [law(n, 43) for n in plain.index])
-    by_B = predict.extrapolate(costs.assign(rows=costs.B), drafts, predict.PUBLISHED_EAGLE31,
+    by_B = layerfit.extrapolate(costs.assign(rows=costs.B), drafts, predict.PUBLISHED_EAGLE31,
                                layers=43)["plain"].set_index("B").step_ms
     assert by_B[3] / law(3, 43) - 1 > 0.10
     assert np.allclose(by_B[[1, 2, 4, 8]], [law(n, 43) for n in (1, 2, 4, 8)])
@@ -300,7 +300,7 @@ def test_a_depth_held_out_checks_the_extrapolation():
     within 3%. The control: plain passes at 12 layers 15% slower than the law (the per-layer
     cost not linear past 8) make both checks miss by over 10%."""
     res = rows(layers=(4, 8, 12), rounds=3)
-    h = predict.held_out(res)
+    h = layerfit.held_out(res)
     assert set(h.layers) == {12} and set(h.from_layers) == {"[4, 8]"}
     assert set(h.kind) == {"plain", "spec"} and len(h[h.kind == "spec"]) == 15
     assert h.error.abs().max() < 0.03
@@ -309,9 +309,9 @@ def test_a_depth_held_out_checks_the_extrapolation():
     slow = res.copy()
     bent = (slow.layers == 12) & (slow.k == 0)
     slow.loc[bent, "t_full_s"] = 0.01 + (slow.loc[bent, "t_full_s"] - 0.01) * 1.15
-    c = predict.held_out(slow)
+    c = layerfit.held_out(slow)
     assert (c[c.kind == "plain"].error < -0.10).all() and (c[c.kind == "spec"].error < -0.10).all()
-    assert predict.held_out(rows(layers=(4, 8), rounds=2)).empty  # two depths: none to spare
+    assert layerfit.held_out(rows(layers=(4, 8), rounds=2)).empty  # two depths: none to spare
     section = "\n".join(predictreport._held_out_lines(res, 43))
     assert section.startswith("## A depth held out") and "Largest |error|" in section
 
@@ -319,13 +319,13 @@ def test_a_depth_held_out_checks_the_extrapolation():
 def test_pass_length_comes_from_the_pass():
     """Passes of 512 tokens (`gpubench drive --tokens 512`) price the same steps and AL, and
     a batch's tail is a smaller share of a longer pass."""
-    c = predict.step_costs(rows(n=512))
+    c = stepcosts.step_costs(rows(n=512))
     plain = c[(c.k == 0) & (c.B == 4)].iloc[0]
     assert plain.step_ms == pytest.approx(t_plain(4), rel=0.02)
     r = c[(c.k == 3) & (c.B == 4)].iloc[0]
     assert r.step_ms == pytest.approx(np.divide(*batch(4, 3, 4, 512)[::-1]), rel=0.02)
     assert r.tokens == 511 and r.al == pytest.approx(1 + 0.7 + 0.5 + 0.35, rel=0.01)
-    short = predict.step_costs(rows(n=128)).query("k == 3 and B == 4").step_ms.iloc[0]
+    short = stepcosts.step_costs(rows(n=128)).query("k == 3 and B == 4").step_ms.iloc[0]
     assert t_plain(16) + t_draft(3, 4) < r.step_ms < short
 
 
@@ -344,18 +344,18 @@ def test_step_anatomy_and_drafter_host_time_from_timed_calls():
          "eager": False, "round": 0, "B": 4, "calls": prefill + steps, "counters": {}},
         {"engine": "L4-k0-graphs", "op": "split", "layers": 4, "k": 0, "eager": False,
          "round": 0, "B": 4, "calls": [call("execute", 4, 1.0, 3.0)] * 3, "counters": {}}])
-    a = predict.step_anatomy(split).set_index("k")
+    a = stepcosts.step_anatomy(split).set_index("k")
     assert a.loc[3, ["execute_ms", "execute_host_ms", "sample_host_ms", "propose_ms"]].tolist() \
         == [2.0, 4.0, 6.0, 2.5]
     assert a.loc[3, "propose_host_ms"] == 6.0 and a.loc[3, "draft"] == "drafteager"
     assert a.loc[0, "execute_host_ms"] == 3.0 and np.isnan(a.loc[0, "propose_ms"])
     assert a.idle_ms.isna().all()  # no timed pass: no step to compare with
-    d = predict.draft_ms(split).iloc[0]
+    d = stepcosts.draft_ms(split).iloc[0]
     assert (d.draft_ms, d.draft_host_ms, d.draft_calls) == (2.5, 6.0, 9)
     resumed = pd.concat([split, split.iloc[1:]], ignore_index=True)  # carried state, twice
-    assert len(predict.step_anatomy(resumed)) == 2
+    assert len(stepcosts.step_anatomy(resumed)) == 2
     old = split.iloc[:1].assign(calls=[[{"tokens": 16, "reqs": 4, "ms": 1.5}] * 3])
-    assert predict.draft_ms(old).draft_ms.tolist() == [1.5] and predict.step_anatomy(old).empty
+    assert stepcosts.draft_ms(old).draft_ms.tolist() == [1.5] and stepcosts.step_anatomy(old).empty
 
 
 def test_no_extrapolation_from_a_step_that_does_not_grow_with_depth():
@@ -365,10 +365,10 @@ def test_no_extrapolation_from_a_step_that_does_not_grow_with_depth():
     flat = res[plain & (res.layers == 4)].set_index(["round", "B"]).t_full_s
     deep = plain & (res.layers == 8)
     res.loc[deep, "t_full_s"] = [flat[(r, B)] for r, B in zip(res[deep]["round"], res[deep].B)]
-    costs, drafts = predict.step_costs(res), predict.draft_ms(res)
+    costs, drafts = stepcosts.step_costs(res), stepcosts.draft_ms(res)
     with pytest.raises(ValueError, match="does not grow"):
-        predict.extrapolate(costs, drafts, predict.PUBLISHED_EAGLE31, layers=43)
-    ex = predict.extrapolate(predict.step_costs(rows(layers=(4, 8), rounds=3)), drafts,
+        layerfit.extrapolate(costs, drafts, predict.PUBLISHED_EAGLE31, layers=43)
+    ex = layerfit.extrapolate(stepcosts.step_costs(rows(layers=(4, 8), rounds=3)), drafts,
                              predict.PUBLISHED_EAGLE31, layers=43)
     assert ex["fit"].resolved.all()
 
@@ -398,7 +398,7 @@ def test_memory_check_against_the_h200_loading_lines():
     from pathlib import Path
 
     run = Path(__file__).resolve().parents[1] / "data/runs/h200-realshape-20261202-vllm026"
-    mem = predict.memory_check(run)
+    mem = stepcosts.memory_check(run)
     assert set(mem.vllm_gib.round(2)) == {15.45, 16.26}
     assert mem.error.abs().max() < 0.01
 
@@ -409,7 +409,7 @@ def test_passes_with_jit_during_them_are_not_timings():
     hit = res.index[(res.k == 3) & (res.B == 4) & (res["round"] == 1)]
     for i in hit:
         res.at[i, "jit_compiled"] = ["mhc_pre_big_fuse_tilelang"]
-    c = predict.step_costs(res)
+    c = stepcosts.step_costs(res)
     assert c[(c.k == 3) & (c.B == 4)].rounds.iloc[0] == 1
     assert c[(c.k == 3) & (c.B == 1)].rounds.iloc[0] == 2
 
@@ -417,12 +417,12 @@ def test_passes_with_jit_during_them_are_not_timings():
 def test_stalled_and_impossible_passes_are_not_timings():
     res = rows(rounds=5)
     k3 = (res.engine == "L4-k3") & (res.B == 4) & (res.op == "pass")
-    assert predict.step_costs(res).query("k == 3 and B == 4").rounds.iloc[0] == 5  # control
+    assert stepcosts.step_costs(res).query("k == 3 and B == 4").rounds.iloc[0] == 5  # control
     stalled = res.index[k3 & (res["round"] == 2)][0]
     res.at[stalled, "t_full_s"] += 50.0  # a TileLang compile the log did not name
     negative = res.index[k3 & (res["round"] == 4)][0]
     res.at[negative, "t_prefill_s"] = res.at[negative, "t_full_s"] + 1.0
-    r = predict.step_costs(res).query("k == 3 and B == 4").iloc[0]
+    r = stepcosts.step_costs(res).query("k == 3 and B == 4").iloc[0]
     assert r.rounds == 3
     assert r.step_ms == pytest.approx(np.divide(*batch(4, 3, 4, N)[::-1]), rel=0.02)
 
@@ -434,11 +434,11 @@ def test_draft_settings_are_kept_apart():
     other["t_full_s"] = 0.01 + 2 * (other.t_full_s - 0.01)
     other.loc[other.op == "split", "calls"] = other.loc[other.op == "split", "calls"].map(
         lambda cs: [{**c, "ms": 2 * c["ms"]} for c in cs])
-    c = predict.step_costs(pd.concat([res, other], ignore_index=True))
+    c = stepcosts.step_costs(pd.concat([res, other], ignore_index=True))
     k3 = c[(c.k == 3) & (c.B == 4)].set_index("draft")
     assert set(k3.index) == {"", "drafteager"}
     assert k3.step_ms["drafteager"] == pytest.approx(2 * k3.step_ms[""], rel=0.03)
-    d = predict.draft_ms(pd.concat([res, other], ignore_index=True))
+    d = stepcosts.draft_ms(pd.concat([res, other], ignore_index=True))
     assert set(d.draft) == {"", "drafteager"}
     v = predict.validate(pd.concat([res, other], ignore_index=True))
     assert set(v.draft) == {"", "drafteager"}
@@ -504,8 +504,8 @@ def test_the_committed_drafter_graphs_run_is_exact_and_predicted_within_five_per
     assert len(passes) == 88 and all(map(gpubench.pass_exact, passes))
     assert {r["engine"] for r in passes if r["k"]} >= {"L4-k3-graphs", "L32-k1-graphs",
                                                        "L32-k3-graphs", "L32-k5-graphs"}
-    res = predict.load(run)
-    c = predict.step_costs(res)
+    res = stepcosts.load(run)
+    c = stepcosts.step_costs(res)
     k3 = c[(c.layers == 32) & (c.k == 3) & (c.B == 1)].iloc[0]
     assert k3.rounds == 5 and k3.speedup_lo > 1.3
     v = predict.validate(res).dropna(subset=["error"])
@@ -523,7 +523,7 @@ def test_each_method_is_predicted_at_its_own_acceptance():
     res = rows(layers=(4,), rounds=2)
     mtp = res[res.k > 0].assign(engine=lambda d: d.engine + "-graphs-mtp")
     both = pd.concat([res, mtp], ignore_index=True)
-    costs, drafts = predict.step_costs(both), predict.draft_ms(both)
+    costs, drafts = stepcosts.step_costs(both), stepcosts.draft_ms(both)
     assert set(drafts.draft) == {"", "mtp"}
     assert [predict.method_of(d) for d in ("", "drafteager", "mtp", "mtp-drafteager")] == \
         ["eagle3", "eagle3", "mtp", "mtp"]
@@ -557,19 +557,19 @@ def test_runs_pool_with_each_speedup_paired_inside_its_run(tmp_path):
     b = rows(rounds=3, seed=1)
     b["t_full_s"] = 0.01 + 1.2 * (b.t_full_s - 0.01)
     runs = [write_run(tmp_path / "a", a), write_run(tmp_path / "b", b)]
-    pooled = predict.load(runs)
+    pooled = stepcosts.load(runs)
     assert set(pooled.run) == {"a", "b"}
-    c = predict.step_costs(pooled).set_index(["k", "B"])
-    one = predict.step_costs(predict.load(runs[0])).set_index(["k", "B"])
+    c = stepcosts.step_costs(pooled).set_index(["k", "B"])
+    one = stepcosts.step_costs(stepcosts.load(runs[0])).set_index(["k", "B"])
     assert (c.rounds == 6).all() and (one.rounds == 3).all()
     assert c.speedup[3, 4] == pytest.approx(one.speedup[3, 4], rel=0.02)
     assert c.speedup_hi[3, 4] - c.speedup_lo[3, 4] < 0.1 * c.speedup[3, 4]
-    same = predict.plain_by_run(pooled)
+    same = stepcosts.plain_by_run(pooled)
     assert same.spread.min() == pytest.approx(0.2, abs=0.02) and not same.overlap.any()
-    alike = predict.plain_by_run(predict.load([runs[0], write_run(tmp_path / "c",
+    alike = stepcosts.plain_by_run(stepcosts.load([runs[0], write_run(tmp_path / "c",
                                                                   rows(rounds=3, seed=2))]))
     assert same.B.nunique() == alike.B.nunique() and alike.spread.max() < 0.02
-    blind = predict.step_costs(pooled.drop(columns="run")).set_index(["k", "B"])
+    blind = stepcosts.step_costs(pooled.drop(columns="run")).set_index(["k", "B"])
     assert (blind.rounds == 3).all()
 
 
@@ -581,18 +581,18 @@ def test_runs_of_other_gpus_or_releases_do_not_pool(tmp_path):
     for name, kw, msg in (("h100", {"gpu": "NVIDIA H100 80GB HBM3"}, "one gpu"),
                           ("v034", {"vllm": "0.34.0"}, "one vllm")):
         with pytest.raises(ValueError, match=msg):
-            predict.load([h200, write_run(tmp_path / name, res, **kw)])
+            stepcosts.load([h200, write_run(tmp_path / name, res, **kw)])
     bare = tmp_path / "bare"
     bare.mkdir()
     res.to_json(bare / "results.jsonl", orient="records", lines=True)
     with pytest.raises(ValueError, match="env.json"):
-        predict.load([h200, bare])
+        stepcosts.load([h200, bare])
     with pytest.raises(ValueError, match="distinct folder names"):
-        predict.load([h200, write_run(tmp_path / "x" / "h200", res)])
-    assert len(predict.load(bare)) == len(res)  # one run: no provenance needed
+        stepcosts.load([h200, write_run(tmp_path / "x" / "h200", res)])
+    assert len(stepcosts.load(bare)) == len(res)  # one run: no provenance needed
     (bare / "env.json").write_text('{"versions": {"vllm": "0.26.0"}}')  # no nvidia-smi line
     with pytest.raises(ValueError, match="one gpu: h200 NVIDIA H200, bare None"):
-        predict.load([h200, bare])
+        stepcosts.load([h200, bare])
     twin = write_run(tmp_path / "twin", res)
     with pytest.raises(ValueError, match="--out"):
         predictreport.report([h200, twin])
@@ -613,14 +613,14 @@ def test_the_committed_h200_runs_pool_and_the_mtp_head_is_predicted():
             for n in ("h200-realshape-20261204-vllm026-graphs",
                       "h200-realshape-20261205-vllm026-deeprest",
                       "h200-realshape-20261205-vllm026-next")]
-    res = predict.load(runs)
-    assert predict.plain_by_run(res).spread.max() < 0.05
-    c = predict.step_costs(res).set_index(["layers", "draft", "k", "B"])
+    res = stepcosts.load(runs)
+    assert stepcosts.plain_by_run(res).spread.max() < 0.05
+    c = stepcosts.step_costs(res).set_index(["layers", "draft", "k", "B"])
     assert c.speedup_lo[32, "mtp", 3, 1] > 2 and c.al[32, "mtp", 3, 1] == pytest.approx(4, abs=0.01)
     v = predict.validate(res)
     mtp = v[v.draft == "mtp"]
     assert len(mtp) == 4 and mtp.error.abs().max() < 0.05
-    ex = predict.extrapolate(predict.step_costs(res), predict.draft_ms(res),
+    ex = layerfit.extrapolate(stepcosts.step_costs(res), stepcosts.draft_ms(res),
                              {"eagle3": predict.PUBLISHED_EAGLE31, "mtp": predict.PUBLISHED_MTP})
     p = ex["prediction"].dropna(subset=["pred_speedup"])
     assert set(p.draft) == {"", "mtp"} and ex["layers_measured"] == [24, 32]
@@ -651,7 +651,7 @@ def test_speculative_sampling_is_priced_from_the_split_passes():
     every point within 3%; without it (`error_no_sample`, the control) the small steps miss
     by more than 5%."""
     res = with_sampling(rows(), 0.3)
-    d = predict.draft_ms(res)
+    d = stepcosts.draft_ms(res)
     assert np.allclose(d.sample_extra_ms, 0.3)
     v = predict.validate(res)
     assert len(v) == 15 and v.error.abs().max() < 0.03
@@ -675,7 +675,7 @@ def test_the_error_budget_names_what_the_model_leaves_out():
             {"op": "sample", "tokens": 12, "reqs": 4, "ms": d + extra_sample},
             {"op": "propose", "tokens": 12, "reqs": 4, "ms": d}] * 20
         return predict.error_budget(predict.validate(res),
-                                    predict.step_anatomy(res)).set_index(["k", "B"])
+                                    stepcosts.step_anatomy(res)).set_index(["k", "B"])
 
     b = budget(0.3, 0.1)
     assert list(b.index) == [(2, 4)]  # the only split pass that timed the target's forward
@@ -694,9 +694,9 @@ def test_the_h200_runs_largest_miss_is_host_time():
     budget's sampling is plain's own (about 0.04 ms), and pricing it lowers every error."""
     from speclab import predictreport
 
-    res = predict.load(predictreport.reference_runs())
+    res = stepcosts.load(predictreport.reference_runs())
     v = predict.validate(res)
-    b = predict.error_budget(v, predict.step_anatomy(res)).dropna(subset=["err_ms"])
+    b = predict.error_budget(v, stepcosts.step_anatomy(res)).dropna(subset=["err_ms"])
     worst = b.loc[b.error.idxmax()]
     assert (worst.B, worst.k) == (4, 2) and worst.idle_ms > 0.5 * worst.err_ms
     deep = v[v.layers == 32]
@@ -737,10 +737,10 @@ def test_the_extrapolation_spread_follows_the_plain_steps_intervals():
     slow.loc[slow.op == "split", "calls"] = slow.loc[slow.op == "split", "calls"].map(
         lambda cs: [{**c, "ms": 3 * c["ms"]} for c in cs])
     both = pd.concat([res, slow], ignore_index=True)
-    costs, drafts = predict.step_costs(both), predict.draft_ms(both)
+    costs, drafts = stepcosts.step_costs(both), stepcosts.draft_ms(both)
     rates = {"eagle3": RATES, "mtp": RATES}
-    per_k, per_method = predict.extrapolation_spread(costs, drafts, rates, draws=60)
-    central = predict.extrapolate(costs, drafts, rates)["prediction"].merge(per_k)
+    per_k, per_method = layerfit.extrapolation_spread(costs, drafts, rates, draws=60)
+    central = layerfit.extrapolate(costs, drafts, rates)["prediction"].merge(per_k)
     assert len(central) and ((central.pred_lo <= central.pred_speedup)
                              & (central.pred_speedup <= central.pred_hi)).all()
     assert per_k.groupby(["draft", "B"]).p_best.sum().tolist() == pytest.approx(
@@ -752,7 +752,7 @@ def test_the_extrapolation_spread_follows_the_plain_steps_intervals():
     half = (wide.step_hi - wide.step_lo) / 2
     wide.loc[plain, "step_lo"] -= 2 * half[plain]
     wide.loc[plain, "step_hi"] += 2 * half[plain]
-    wide_k, _ = predict.extrapolation_spread(wide, drafts, rates, draws=60)
+    wide_k, _ = layerfit.extrapolation_spread(wide, drafts, rates, draws=60)
     both = per_k.merge(wide_k, on=["draft", "B", "k"], suffixes=("", "_wide"))
     assert len(both) >= len(per_k) // 2  # wider intervals leave fewer batch sizes resolved
     assert ((both.pred_hi_wide - both.pred_lo_wide) > 2 * (both.pred_hi - both.pred_lo)).all()

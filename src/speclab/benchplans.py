@@ -205,7 +205,7 @@ def final_plan(layers: int = 32, shallow: int = 24) -> list[Engine]:
 
 
 def held_depth_plan(layers: int = 36) -> list[Engine]:
-    """A third depth for the layer fit, beyond it (`predict.held_out`: the 24/32-layer line and
+    """A third depth for the layer fit, beyond it (`layerfit.held_out`: the 24/32-layer line and
     the 32-layer drafter predict it before it is read): plain at `layers` at B = 1, 4, 16 and
     the verify rows of k = 1 and 3, then EAGLE-3 k = 3 and k = 1 at B = 1, 4, 16 (the best k
     at B = 1, 16 and at B = 4 at 43 layers; k = 1 last, for a deadline to cut). 36 layers

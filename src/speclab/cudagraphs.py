@@ -84,6 +84,17 @@ def graph_rows(requests: int, q: int = 1, sizes=None, gpu: str = "hopper",
     return min((g for g in decode_graphs(q, sizes, gpu, vllm) if g >= n), default=n)
 
 
+def step_rows(B: int, k: int, eager: bool, sizes=None, gpu: str = "hopper",
+              vllm: str = "0.26") -> int:
+    """Rows a decode step of B requests at k (plain: 0) runs: B (k + 1) eager, else
+    G_{k+1}(B) from the engine's capture sizes `sizes` (None: vLLM's default;
+    `cudagraphs.graph_rows` on `gpu` with release `vllm`, 0.26 where every run here ran)."""
+    if eager:
+        return int(B) * (k + 1)
+    return graph_rows(int(B), k + 1, sizes if isinstance(sizes, list) else None,
+                                 gpu, vllm)
+
+
 def padding(batches, ks, gpu: str = "hopper", vllm: str = "0.26") -> list[dict]:
     """Per batch size and k: the verify step's tokens B (k + 1), the rows of its graph at
     vLLM's default sizes (`graph_rows`) and the share of those rows that are padding."""

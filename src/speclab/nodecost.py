@@ -9,7 +9,7 @@ with a mega-MoE backend, sequence parallelism's all-gather and reduce-scatter in
 `_use_sequence_parallel`), plus the target's logits gather a step. The EAGLE-3 draft runs at
 the target's TP: three collectives a draft forward (attention, MLP, logits).
 
-The one-GPU step at L layers, T_1(n) (`predict.extrapolate`'s plain curve), splits into the
+The one-GPU step at L layers, T_1(n) (`layerfit.extrapolate`'s plain curve), splits into the
 routed experts' part L beta E(n), where beta is one expert read per layer (the fit of the
 measured per-layer slope b(n) = alpha + beta E(n), `expert_fit`), and the rest
 R(n) = T_1(n) - L beta E(n). On the node:
@@ -43,7 +43,7 @@ import itertools
 import numpy as np
 import pandas as pd
 
-from speclab import predict
+from speclab import cudagraphs, predict
 
 HIDDEN = 4096  # DeepSeek-V4-Flash's hidden_size
 BF16 = 2
@@ -106,7 +106,7 @@ def _max_rank_experts(n: int, gpus: int, experts: int, top_k: int, draws: int,
 
 def expert_fit(fit: pd.DataFrame, moe=predict.MOE) -> dict:
     """alpha + beta E(n) through the per-layer slopes b(n) of the batch sizes whose growth
-    with depth resolved (`predict.extrapolate`'s fit): beta is one routed expert read per
+    with depth resolved (`layerfit.extrapolate`'s fit): beta is one routed expert read per
     layer, in ms. ValueError with fewer than two such batch sizes, or where the slope's growth
     over them is within the fit's residual."""
     f = fit[fit.resolved]
@@ -194,8 +194,8 @@ AR_CORNERS = ("none", "lo", "hi")
 def bracket(ex: dict, rates, gpus: int = 8, ks=range(1, 6), moe=predict.MOE,
             dtype: str = "fp4") -> pd.DataFrame:
     """Per (draft setting, B, k, tp, allreduce corner) on a TP `gpus` + EP node: T_G at B and
-    at the verify step's rows (`predict.step_rows`: its CUDA graph's), the drafter
-    (`node_draft`), tok/s and speedup (module doc), from `predict.extrapolate`'s result `ex`
+    at the verify step's rows (`cudagraphs.step_rows`: its CUDA graph's), the drafter
+    (`node_draft`), tok/s and speedup (module doc), from `layerfit.extrapolate`'s result `ex`
     (its plain curve, drafter times and fit); `best` marks the best k per (draft, B, tp,
     allreduce)."""
     layers = int(ex["plain"].layers.iloc[0])
@@ -212,7 +212,7 @@ def bracket(ex: dict, rates, gpus: int = 8, ks=range(1, 6), moe=predict.MOE,
                        moe, dtype)
         d = drafts[(drafts.draft == draft) & (drafts.B == B)]
         for k in ks:
-            n = predict.step_rows(B, k, eager, vllm="0.34")  # the release it describes
+            n = cudagraphs.step_rows(B, k, eager, vllm="0.34")  # the release it describes
             verify = node_step(predict.plain_at(by_rows, n, moe), n, layers, beta, gpus, tp,
                                corner, moe, dtype)
             draft_ms = node_draft(predict.drafter_at(d, k, "draft_ms"), k, B, beta, gpus, tp,
@@ -231,7 +231,7 @@ def bracket(ex: dict, rates, gpus: int = 8, ks=range(1, 6), moe=predict.MOE,
 
 
 def summary(corners: pd.DataFrame, one_gpu: pd.DataFrame) -> pd.DataFrame:
-    """Per (draft, B, k): the one-GPU prediction (`predict.extrapolate`'s) beside the node's
+    """Per (draft, B, k): the one-GPU prediction (`layerfit.extrapolate`'s) beside the node's
     lowest and highest speedup over every corner, the `weights` band (TP splitting weight
     reads, collectives on the lo to hi curves), and in how many corners that k is best."""
     rows = []

@@ -9,8 +9,9 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from speclab import cudagraphs, nodecost, paths, predict
-from speclab.predict import CONFIG, MOE
+from speclab import cudagraphs, layerfit, nodecost, paths, predict, stepcosts
+from speclab.predict import MOE
+from speclab.stepcosts import CONFIG
 
 PADDING_BATCHES = (*range(1, 9), 10, 12, 16, 20, 24, 32, 48, 64)  # the padding table's rows
 
@@ -49,10 +50,10 @@ def _md(df: pd.DataFrame, cols: list[str]) -> str:
 
 
 def report(runs, rates=predict.PUBLISHED_EAGLE31,
-           layers: int = predict.PRODUCTION_LAYERS, out_dir: Path | None = None,
+           layers: int = layerfit.PRODUCTION_LAYERS, out_dir: Path | None = None,
            gpus: int = 8, mtp_rates=predict.PUBLISHED_MTP) -> Path:
     """`predict.md` and `predict.html` (+ `speedup_vs_k` figure) for a gpubench run folder,
-    or several pooled (`predict.load`: one GPU model and vLLM release; written to `out_dir`,
+    or several pooled (`stepcosts.load`: one GPU model and vLLM release; written to `out_dir`,
     which several runs need): measured speedup vs k per batch size with CIs, predicted beside
     measured with the largest error, the best k, the `layers`-layer prediction at acceptance
     `rates` (MTP engines at `mtp_rates`) with its fit, and (`gpus` > 1) what a TP `gpus` + EP
@@ -67,17 +68,17 @@ def report(runs, rates=predict.PUBLISHED_EAGLE31,
     if gpus != 1 and gpus not in nodecost.AR_US:
         raise ValueError(f"--gpus {gpus}: the node bracket has all-reduce curves for "
                          f"{sorted(nodecost.AR_US)} GPUs (1: no node section)")
-    dirs = predict.run_dirs(runs)
+    dirs = stepcosts.run_dirs(runs)
     if len(dirs) > 1 and out_dir is None:
         raise ValueError("several runs pooled need an output folder of their own (--out)")
     run_dir = dirs[0]
     out_dir = Path(out_dir or run_dir)
     name = run_dir.name if len(dirs) == 1 else out_dir.name
-    res = predict.load(dirs)
-    costs = predict.step_costs(res)
+    res = stepcosts.load(dirs)
+    costs = stepcosts.step_costs(res)
     if costs.empty:
         raise ValueError(f"{run_dir}: no timed pass (round >= 1) yet; round 0 is the warm-up")
-    drafts = predict.draft_ms(res)
+    drafts = stepcosts.draft_ms(res)
     val = predict.validate(res)
     spec = costs[costs.k > 0]
     lines = [f"# Speed at DeepSeek-V4-Flash's real shapes: {name}", "",
@@ -162,7 +163,7 @@ def report(runs, rates=predict.PUBLISHED_EAGLE31,
                    "plain decoding pads too (B = 5 runs 8 rows), inside its measured step."),
                   "",
                   _md(table, ["B", *cols]), ""]
-    served = predict.serve_costs(res)
+    served = stepcosts.serve_costs(res)
     if len(served):
         lines += ["## Behind `vllm serve`", "",
                   ("The same passes sent as B concurrent requests to `/v1/completions` (token "
@@ -171,7 +172,7 @@ def report(runs, rates=predict.PUBLISHED_EAGLE31,
                   _md(served.sort_values(["layers", "B", "k"]),
                       ["layers", "B", "k", "al", "step_ms", "tok_s", "tok_s_lo", "tok_s_hi",
                        "speedup", "speedup_lo", "speedup_hi", "rounds"]), ""]
-    anatomy = predict.step_anatomy(res)
+    anatomy = stepcosts.step_anatomy(res)
     if len(anatomy):
         cols = [*CONFIG, "k", "B", *(f"{op}_{t}" for op in ("execute", "sample", "propose")
                                      for t in ("ms", "host_ms")), "gpu_ms", "tail_ms",
@@ -213,7 +214,7 @@ def report(runs, rates=predict.PUBLISHED_EAGLE31,
     lines += _held_out_lines(res, layers)
     try:
         by_method = {"eagle3": list(rates), "mtp": list(mtp_rates)}
-        ex = predict.extrapolate(costs, drafts, by_method, layers)
+        ex = layerfit.extrapolate(costs, drafts, by_method, layers)
         has_mtp = any(predict.method_of(d) == "mtp" for d in drafts.draft)
         lines += [f"## {layers} layers at acceptance {list(rates)}"
                   + (f" (MTP: {list(mtp_rates)})" if has_mtp else ""), "",
@@ -236,7 +237,7 @@ def report(runs, rates=predict.PUBLISHED_EAGLE31,
             lines += _node_section(ex, by_method, gpus, _expert_dtypes(dirs), out_dir)
     except ValueError as e:
         lines += [f"## {layers} layers", "", f"Not extrapolated: {e}.", ""]
-    mem = predict.memory_check(dirs)
+    mem = stepcosts.memory_check(dirs)
     if len(mem):
         lines += ["## Weights: estimate vs vLLM", "",
                   ("`speclab.memory` from the config alone against each engine's `Model loading "
@@ -261,15 +262,15 @@ SPREAD_DRAWS = 200
 
 
 def _held_out_lines(res: pd.DataFrame, layers: int) -> list[str]:
-    """`predict.held_out` as report lines (none where no depth can be spared)."""
-    h = predict.held_out(res)
+    """`layerfit.held_out` as report lines (none where no depth can be spared)."""
+    h = layerfit.held_out(res)
     if h.empty:
         return []
     worst = h.loc[h.error.abs().idxmax()]
     return ["## A depth held out", "",
             (f"The {layers}-layer prediction extrapolates a line through the measured layer "
              "counts. Here the deepest layer count with speculative points is left out and "
-             "predicted the same way (`predict.held_out`: the line through the other layer "
+             "predicted the same way (`layerfit.held_out`: the line through the other layer "
              "counts, the drafter times of the deepest of them; each speculative point at its "
              "own measured acceptance): `plain` rows are plain steps (ms) per graph size, "
              "`spec` rows speedups. Largest |error| "
@@ -281,8 +282,8 @@ def _held_out_lines(res: pd.DataFrame, layers: int) -> list[str]:
 
 def _spread_lines(costs, drafts, rates, layers: int) -> list[str]:
     """The extrapolation's spread from the plain steps' timing noise
-    (`predict.extrapolation_spread`) as report lines."""
-    per_k, per_method = predict.extrapolation_spread(costs, drafts, rates, layers,
+    (`layerfit.extrapolation_spread`) as report lines."""
+    per_k, per_method = layerfit.extrapolation_spread(costs, drafts, rates, layers,
                                                      draws=SPREAD_DRAWS)
     return [(f"How far timing noise moves it ({SPREAD_DRAWS} draws of every plain step from "
              "its interval, the fit and prediction redone; drafter times and acceptance held "
@@ -297,18 +298,18 @@ def _spread_lines(costs, drafts, rates, layers: int) -> list[str]:
 
 
 def _expert_dtypes(runs) -> set[str]:
-    """The routed experts' dtypes the runs' engines loaded (`predict.engines`)."""
-    return {e.get("expert_dtype", "fp4") for e in predict.engines(runs)}
+    """The routed experts' dtypes the runs' engines loaded (`stepcosts.engines`)."""
+    return {e.get("expert_dtype", "fp4") for e in stepcosts.engines(runs)}
 
 
 def _pooled_section(dirs: list[Path], res: pd.DataFrame) -> list[str]:
-    """For several runs: what each ran on (`predict.check_poolable`) and the plain steps two
-    or more of them measured, per run, with their spread (`predict.plain_by_run`)."""
+    """For several runs: what each ran on (`stepcosts.check_poolable`) and the plain steps two
+    or more of them measured, per run, with their spread (`stepcosts.plain_by_run`)."""
     if len(dirs) < 2:
         return []
-    prov = pd.DataFrame(predict.check_poolable(dirs))
+    prov = pd.DataFrame(stepcosts.check_poolable(dirs))
     prov["passes"] = prov.run.map(res[res.op == "pass"].groupby("run").size()).fillna(0)
-    same = predict.plain_by_run(res)
+    same = stepcosts.plain_by_run(res)
     worst = (f"largest spread {same.spread.max():.1%}"
              + ("" if same.overlap.all() else
                 f"; the intervals do not overlap at B = "

@@ -17,8 +17,8 @@ from pathlib import Path
 import nbformat
 import pandas as pd
 
-from speclab import (convention, memory, paths, predict, preflight, profiles, progress,
-                     provenance, store, summary)
+from speclab import (convention, memory, paths, preflight, profiles, progress, provenance,
+                     stepcosts, store, summary)
 from speclab.notebook import MIME
 
 NOTEBOOK_DIR = paths.RESOURCES / "notebooks"
@@ -46,13 +46,13 @@ def run_suite(profile: str, *, run_id: str | None = None, notebooks=SUITE,
 
     prof = profiles.load(profile, (parameters or {}).get("overrides"))
     speed_run = (parameters or {}).get("speed_run")
-    speed_runs = predict.run_dirs(speed_run) if speed_run else []
+    speed_runs = stepcosts.run_dirs(speed_run) if speed_run else []
     for run in speed_runs:
         if not any(Path(run).rglob("results.jsonl")):
             raise profiles.ProfileError(f"speed_run {run}: no gpubench run there (no "
                                         "results.jsonl); 05_speed reads one or several")
     try:
-        predict.check_poolable(speed_runs)
+        stepcosts.check_poolable(speed_runs)
     except ValueError as e:
         raise profiles.ProfileError(f"speed_run: {e}") from None
     executes = (parameters or {}).get("execute", True)

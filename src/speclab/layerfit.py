@@ -1,0 +1,188 @@
+"""The cost model at a depth no engine here holds: the plain step fitted over the measured
+layer counts and carried to DeepSeek-V4-Flash's 43 layers.
+
+`fit_layers` fits T_plain(n, L) = a(n) + b(n) L per graph size n over the measured layer
+counts, `extrapolate` predicts every (k, B) at the production depth with `speclab.predict`'s
+model (the drafter of the deepest run: the draft does not grow with the target),
+`extrapolation_spread` redraws the plain steps within their timing noise, and `held_out`
+checks the chain at a measured depth left out of the fit.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from speclab import predict, stepcosts
+
+PRODUCTION_LAYERS = 43
+
+
+def _pooled_step(g: pd.DataFrame) -> pd.Series:
+    """One step time from several measured points of one quantity (plain steps of batch
+    sizes that replay one graph): the inverse-variance mean of their means, each standard
+    error from its 95% t-interval, and the 95% t-interval of the same mean of the intervals'
+    midpoints at their degrees of freedom summed (a single point keeps its own). The interval
+    stays the measured one's when the means are redrawn (`extrapolation_spread`)."""
+    from scipy import stats
+
+    dof = (g.rounds - 1).clip(lower=1).to_numpy(float)
+    se = ((g.step_hi - g.step_lo) / (2 * stats.t.ppf(0.975, dof))).to_numpy(float)
+    w = 1 / np.maximum(se, 1e-9) ** 2
+    mid = float(np.sum(w * (g.step_lo + g.step_hi).to_numpy(float) / 2) / w.sum())
+    half = float(stats.t.ppf(0.975, dof.sum()) / np.sqrt(w.sum()))
+    return pd.Series({"step_ms": float(np.sum(w * g.step_ms.to_numpy(float)) / w.sum()),
+                      "step_lo": mid - half, "step_hi": mid + half})
+
+
+def _pooled_by(costs: pd.DataFrame, key: str) -> pd.DataFrame:
+    """`costs`' steps pooled per value of `key` (`_pooled_step`), sorted by it."""
+    return costs.groupby(key)[["step_ms", "step_lo", "step_hi", "rounds"]].apply(
+        _pooled_step).sort_index()
+
+
+def _plain_layers(costs: pd.DataFrame, eager: bool) -> list[int]:
+    """The layer counts with plain steps at `eager`, sorted."""
+    return sorted(int(x) for x in costs[(costs.k == 0) & (costs.eager == eager)].layers.unique())
+
+
+def fit_layers(costs: pd.DataFrame, layers: int, eager: bool = False) -> tuple[
+        pd.DataFrame, pd.DataFrame]:
+    """The plain step at `layers` decoder layers from the measured layer counts: per graph
+    size n (the rows a plain step ran, `stepcosts.step_costs`' `rows`: an engine without an
+    n-row graph runs B = n on a larger one, so steps are paired across depths by rows, never
+    by B), a line
+    T_plain(n, L) = a + b L (least squares; needs two layer counts; where several batch
+    sizes ran one graph at one depth, their steps pooled by `_pooled_step`). A size is
+    extrapolated only where the deepest plain step's 95% interval lies above the shallowest
+    one's: a step that does not grow resolvably with depth is host time, and a line through
+    it says nothing about `layers` (ValueError when no size resolves, or fewer than two
+    layer counts). Returns (rows of (n, a_ms, b_ms_per_layer, resolved), the plain steps at
+    `layers` as `stepcosts.step_costs` rows with B = rows = n)."""
+    plain = costs[(costs.k == 0) & (costs.eager == eager)]
+    Ls = _plain_layers(costs, eager)
+    if len(Ls) < 2:
+        raise ValueError("extrapolation needs plain steps at two layer counts; have "
+                         f"{Ls}")
+    fit, synth = [], []
+    for n, g in plain.groupby("rows"):
+        by_L = _pooled_by(g, "layers")
+        if len(by_L) < 2:
+            continue
+        b, a = np.polyfit(by_L.index.to_numpy(float), by_L.step_ms, 1)
+        resolved = bool(by_L.step_lo.iloc[-1] > by_L.step_hi.iloc[0])
+        fit.append({"n": int(n), "a_ms": a, "b_ms_per_layer": b, "resolved": resolved})
+        if resolved:
+            synth.append({"layers": layers, "eager": eager, "k": 0, "B": int(n),
+                          "rows": int(n), "step_ms": a + b * layers})
+    if not synth:
+        raise ValueError(f"the plain step does not grow beyond its 95% interval from "
+                         f"{Ls[0]} to {Ls[-1]} layers at any graph size (host-bound "
+                         f"steps): a line through them says nothing about {layers} layers")
+    return pd.DataFrame(fit), pd.DataFrame(synth)
+
+
+def extrapolate(costs: pd.DataFrame, drafts: pd.DataFrame, rates, layers: int =
+                PRODUCTION_LAYERS, eager: bool = False, ks=range(1, 6)) -> dict:
+    """Predicted speedup per (k, B) at `layers` decoder layers: the plain steps there from
+    `fit_layers`, the drafter times of the deepest measured run (the draft does not grow
+    with the target). Returns {"fit": `fit_layers`' lines, "prediction": rows like
+    `predict.predict`, "plain": the plain steps at `layers` (B = rows = n), "drafts": the drafter
+    times used}."""
+    fit, plain = fit_layers(costs, layers, eager)
+    Ls = _plain_layers(costs, eager)
+    deepest = max(drafts[drafts.eager == eager].layers, default=Ls[-1])
+    d = drafts[(drafts.layers == deepest) & (drafts.eager == eager)].assign(layers=layers)
+    spec_B = sorted(costs[costs.k > 0].B.unique())
+    pred = predict.predict(plain, d, rates, ks=ks, batches=spec_B)
+    return {"fit": fit, "prediction": pred, "layers_measured": Ls,
+            "drafts_from_layers": int(deepest), "plain": plain, "drafts": d}
+
+
+def held_out(results: pd.DataFrame, max_tokens: int = 128) -> pd.DataFrame:
+    """The depth extrapolation checked against a depth it did not see: per eager/graphs
+    configuration, the deepest layer count with speculative points and plain steps is left
+    out, `extrapolate`'s chain (`fit_layers` over the other layer counts, two or more; the
+    drafter times of the deepest of them that has any, else the held depth's own: the draft
+    does not grow with the target) predicts it, and the measurement there is the
+    check. Rows: `kind` "plain" (per graph size: the measured step, pooled as the fit pools,
+    against the line's) and "spec" (per point: the measured speedup against the prediction
+    at the point's measured acceptance, as `predict.validate` does), with `measured`, its 95%
+    interval (`lo`, `hi`), `predicted` and `error` = predicted / measured - 1, and the
+    layer counts fitted (`from_layers`). Empty where no configuration has such a depth."""
+    costs = stepcosts.step_costs(results, max_tokens)
+    if costs.empty:
+        return pd.DataFrame()
+    drafts, timed, rows = stepcosts.draft_ms(results), stepcosts.passes(results, max_tokens), []
+    for eager, c in costs.groupby("eager"):
+        plain_L = set(c[c.k == 0].layers)
+        held = max((L for L in set(c[c.k > 0].layers) & plain_L if len(plain_L - {L}) >= 2),
+                   default=None)
+        if held is None:
+            continue
+        seen = c[c.layers != held]
+        try:
+            _, synth = fit_layers(seen, held, eager)
+        except ValueError:
+            continue
+        base = {"layers": int(held), "eager": eager,
+                "from_layers": str(_plain_layers(seen, eager))}
+        line = synth.set_index("rows").step_ms
+        for n, m in _pooled_by(c[(c.layers == held) & (c.k == 0)], "rows").iterrows():
+            if n in line.index:
+                rows.append({**base, "kind": "plain", "draft": "", "k": 0, "B": int(n),
+                             "rows": int(n), "measured": m.step_ms, "lo": m.step_lo,
+                             "hi": m.step_hi, "predicted": line[n],
+                             "error": line[n] / m.step_ms - 1})
+        d = drafts[drafts.eager == eager]
+        d = d[d.layers == max(d[d.layers != held].layers, default=held)].assign(layers=held)
+        for _, r in c[(c.layers == held) & (c.k > 0)].iterrows():
+            p = predict.point_prediction(synth, d, r, stepcosts.measured_rates(r, timed),
+                                  tokens=int(np.rint(r.tokens)))
+            if p.empty or np.isnan(p.pred_speedup.iloc[0]):
+                continue
+            rows.append({**base, "kind": "spec", "draft": r.draft, "k": int(r.k),
+                         "B": int(r.B), "rows": int(p.verify_rows.iloc[0]),
+                         "measured": r.speedup, "lo": r.speedup_lo, "hi": r.speedup_hi,
+                         "predicted": p.pred_speedup.iloc[0],
+                         "error": p.pred_speedup.iloc[0] / r.speedup - 1})
+    return pd.DataFrame(rows)
+
+
+def extrapolation_spread(costs: pd.DataFrame, drafts: pd.DataFrame, rates, layers: int =
+                         PRODUCTION_LAYERS, eager: bool = False, ks=range(1, 6),
+                         draws: int = 200, seed: int = 0) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """How far the `extrapolate` prediction moves with the plain steps' timing noise: `draws`
+    times, every measured plain step is drawn from its t distribution (its rounds less one
+    degrees of freedom, its standard error as scale) and the layer fit and prediction redone.
+    The drafter times (medians of hundreds of calls) and the acceptance profile stay fixed, so
+    this is the timing's share of the uncertainty, not the acceptance's. Returns per (draft,
+    B, k) the 2.5 and 97.5 percentiles of the predicted speedup (`pred_lo`, `pred_hi`) and the
+    share of draws in which that k is its setting's best at B (`p_best`); and per (B, draft)
+    its best k's speedup (`best_speedup`, `best_lo`, `best_hi`) and the share of draws in
+    which that setting is the fastest at B (`p_fastest`: methods compared on the same draw)."""
+    from scipy import stats
+
+    g = np.random.default_rng(seed)
+    plain = costs[(costs.k == 0) & (costs.eager == eager)]
+    dof = (plain.rounds - 1).clip(lower=1).to_numpy()
+    se = ((plain.step_hi - plain.step_lo) / (2 * stats.t.ppf(0.975, dof))).fillna(0).to_numpy()
+    runs = []
+    for i in range(draws):
+        drawn = costs.copy()
+        drawn.loc[plain.index, "step_ms"] = plain.step_ms + g.standard_t(dof) * se
+        runs.append(extrapolate(drawn, drafts, rates, layers, eager, ks)["prediction"]
+                    .assign(draw=i))
+    every = pd.concat(runs, ignore_index=True).dropna(subset=["pred_speedup"])
+    keys = ["draft", "B", "k"]
+    per_k = every.groupby(keys).pred_speedup.quantile([0.025, 0.975]).unstack()
+    per_k.columns = ["pred_lo", "pred_hi"]
+    best = every.loc[every.groupby(["draw", "draft", "B"]).pred_speedup.idxmax()]
+    per_k["p_best"] = best.groupby(keys).size().reindex(per_k.index).fillna(0) / draws
+    fastest = best.loc[best.groupby(["draw", "B"]).pred_speedup.idxmax()]
+    per_method = best.groupby(["B", "draft"]).pred_speedup.agg(
+        best_speedup="median", best_lo=lambda x: x.quantile(0.025),
+        best_hi=lambda x: x.quantile(0.975))
+    per_method["p_fastest"] = (fastest.groupby(["B", "draft"]).size()
+                               .reindex(per_method.index).fillna(0) / draws)
+    return per_k.reset_index(), per_method.reset_index()

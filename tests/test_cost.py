@@ -180,3 +180,32 @@ def test_overlay_cost_script_summarizes_and_compares_without_a_gpu(tmp_path):
     table = (tmp_path / "c.md").read_text()
     assert out.returncode == 0 and table.count("| 0.22.0 | overlay |") == 2
     assert table.count("| 0.26.0 | native |") == 2
+
+
+RUNS = ("h100-realshape-cost-20261206-vllm022", "h100-realshape-cost-20261206-vllm026")
+
+
+@pytest.mark.parametrize("run", RUNS)
+def test_committed_real_shape_runs_are_their_steps(run):
+    """The committed real-shape cost runs (README "What has run on GPUs so far"): cost.json's
+    figures are `cost.summarize` of the run's own steps.parquet; the control, the unused
+    experiment's overlay steps made 2% slower, moves the ratio out of the stated interval."""
+    import json
+
+    from speclab.profiles import REPO
+
+    d = REPO / "data/runs" / run
+    steps = pd.read_parquet(d / "steps.parquet")
+    stated = json.loads((d / "cost.json").read_text())["experiments"]
+    again = cost.summarize(steps)
+    assert set(again) == set(stated)
+    for exp, r in stated.items():
+        assert again[exp]["ratio"] == pytest.approx(r["ratio"])
+        assert again[exp]["diff_ms"] == pytest.approx(r["diff_ms"])
+    if "unused" not in stated:
+        return
+    assert stated["unused"]["ratio"]["lo"] < 1 < stated["unused"]["ratio"]["hi"]
+    slow = steps.assign(forward_s=steps.forward_s.where(
+        (steps.experiment != "unused") | (steps.variant != "overlay"), steps.forward_s * 1.02))
+    moved = cost.summarize(slow)["unused"]["ratio"]
+    assert moved["lo"] > stated["unused"]["ratio"]["hi"]

@@ -94,6 +94,21 @@ def test_steps_agree_with_vllms_verify_steps_and_not_with_merged_chunks():
     assert not metrics.steps_agree(STEPS, False, per_step)
 
 
+def test_merged_chunks_are_vllms_steps_carried_together():
+    per_step = NATIVE["per_step_accepted"]  # emits 1 (prefill), 3, 1, 4, then 4 cut to 2
+    assert metrics.steps_merged([1, 3, 5, 2], True, per_step)  # two verify steps, one chunk
+    assert metrics.steps_merged([4, 5, 2], True, per_step)  # the prefill's token with one
+    assert metrics.steps_merged([1, 3, 1, 6], True, per_step)  # into the cut last round
+    assert metrics.steps_merged([9, 0, 4], True, [2, 0, 3, 3])  # three, then the last uncut
+    # controls: a chunk that splits a step, one token too few or too many, a cut round in
+    # an unfinished request, a step no chunk carries
+    assert not metrics.steps_merged([1, 2, 2, 4, 2], True, per_step)
+    assert not metrics.steps_merged([1, 3, 4, 2], True, per_step)
+    assert not metrics.steps_merged([1, 3, 5, 5], True, per_step)
+    assert not metrics.steps_merged([1, 3, 5, 2], False, per_step)
+    assert not metrics.steps_merged([1, 3, 5], True, per_step)
+
+
 def trace(steps=STEPS, native=NATIVE, finish="length"):
     return {"step_tokens": steps, "finish_reason": finish, "spec_decode": native}
 
@@ -104,7 +119,7 @@ def test_attribute_takes_vllms_counters_and_cross_checks_the_steps():
     assert counters == [metrics.native_counters(NATIVE)] * 2
     assert meta["attribution_source"] == "native" and meta["attribution"] == "exact"
     assert meta["cross_check"] == {"path": "chunks", "requests": 2, "steps_agree": 2,
-                                   "attribution": "consistent"}
+                                   "steps_merged": 0, "attribution": "consistent"}
     assert meta["counters_from_steps"]["num_drafts"] == 6
     # a chunk that carried two verify steps: vLLM's counters stay exact, the cross-check
     # names the request and the chunk count alone does not add up
@@ -112,7 +127,11 @@ def test_attribute_takes_vllms_counters_and_cross_checks_the_steps():
     _, meta = metrics.attribute(eng, [trace(), merged], 3, "chunks")
     assert meta["attribution"] == "exact"
     assert meta["cross_check"]["steps_agree"] == 1
+    assert meta["cross_check"]["steps_merged"] == 1
     assert meta["cross_check"]["attribution"] == "mismatch"
+    # a chunk vLLM's steps do not explain: neither agreeing nor merged
+    _, meta = metrics.attribute(eng, [trace(), trace([1, 3, 4, 2])], 3, "chunks")
+    assert (meta["cross_check"]["steps_agree"], meta["cross_check"]["steps_merged"]) == (1, 0)
 
 
 def test_attribute_falls_back_to_the_steps_where_vllm_has_no_counters():

@@ -287,6 +287,25 @@ def steps_agree(step_tokens: Sequence[int], finished: bool,
     return seen == want
 
 
+def steps_merged(step_tokens: Sequence[int], finished: bool,
+                 per_step_accepted: Sequence[int]) -> bool:
+    """Whether streamed chunks are vLLM's steps (`steps_agree`) with consecutive ones
+    carried in one chunk, as a client that reads late gets them behind `vllm serve`: the
+    first token (the prefill's), then 1 + accepted drafts per verify step, each chunk the sum
+    of a run of them; a finished request's last step may emit fewer."""
+    emitted = [1] + [1 + int(a) for a in per_step_accepted]
+    chunks = [n for n in step_tokens if n > 0]
+    i = 0
+    for j, chunk in enumerate(chunks):
+        total = 0
+        while total < chunk and i < len(emitted):
+            total, i = total + emitted[i], i + 1
+        cut = finished and j == len(chunks) - 1 and i == len(emitted)
+        if total != chunk and not (cut and chunk < total < chunk + emitted[-1]):
+            return False
+    return i == len(emitted)
+
+
 def attribute(engine: SpecCounters, traces: Sequence[dict], k: int, path: str
               ) -> tuple[list[SpecCounters], dict]:
     """Per-request counters of one point and how they were had (`PointResult` fields).
@@ -296,7 +315,9 @@ def attribute(engine: SpecCounters, traces: Sequence[dict], k: int, path: str
     "chunks": streamed chunks). Where vLLM reported every request (`native_counters`) those
     are the counters, `attribution_source` is "native", and `cross_check` says how many
     requests' steps show vLLM's verify steps (`steps_agree`) and how the step counts alone
-    compare with the engine; otherwise the step counts are the counters (`request_counters`)
+    compare with the engine, and how many of the others show them merged
+    (`steps_merged`: chunks a late reader got); otherwise the step counts are the counters
+    (`request_counters`)
     and `attribution_source` is `path`. `attribution` compares the counters' sum with the
     engine's (`attribution`); `counters_from_steps` is the step counts' sum either way."""
     finished = [tr.get("finish_reason") is not None for tr in traces]
@@ -310,13 +331,18 @@ def attribute(engine: SpecCounters, traces: Sequence[dict], k: int, path: str
                        "counters_from_steps": from_steps.to_dict()}
     counters = [native_counters(sd) for sd in native]
     total = sum(counters, SpecCounters())
-    agree = sum(steps_agree(tr["step_tokens"], f, sd.get("per_step_accepted") or [])
-                for tr, f, sd in zip(traces, finished, native))
+    agree = merged = 0
+    for tr, f, sd in zip(traces, finished, native):
+        per_step = sd.get("per_step_accepted") or []
+        if steps_agree(tr["step_tokens"], f, per_step):
+            agree += 1
+        else:
+            merged += steps_merged(tr["step_tokens"], f, per_step)
     return counters, {
         "attribution_source": "native", "attribution": attribution(engine, total, 0),
         "counters_native": total.to_dict(), "counters_from_steps": from_steps.to_dict(),
         "cross_check": {"path": path, "requests": len(traces), "steps_agree": agree,
-                        "attribution": by_steps}}
+                        "steps_merged": merged, "attribution": by_steps}}
 
 
 def acceptance_length_histogram(step_token_lists: Iterable[Sequence[int]], k: int) -> np.ndarray:

@@ -18,27 +18,26 @@ from speclab import predict, stepcosts
 PRODUCTION_LAYERS = 43
 
 
-def _pooled_step(g: pd.DataFrame) -> pd.Series:
-    """One step time from several measured points of one quantity (plain steps of batch
-    sizes that replay one graph): the inverse-variance mean of their means, each standard
-    error from its 95% t-interval, and the 95% t-interval of the same mean of the intervals'
-    midpoints at their degrees of freedom summed (a single point keeps its own). The interval
+def _pooled_by(costs: pd.DataFrame, key) -> pd.DataFrame:
+    """`costs`' steps pooled per value of `key` (a column, or a list of them), sorted by it:
+    for several measured points of
+    one quantity (plain steps of batch sizes that replay one graph) the inverse-variance mean
+    of their means, each standard error from its 95% t-interval, and the 95% t-interval of
+    the same mean of the intervals' midpoints at their degrees of freedom summed (a single
+    point keeps its own; a point without an interval makes its value's NaN). The interval
     stays the measured one's when the means are redrawn (`extrapolation_spread`)."""
     from scipy import stats
 
-    dof = (g.rounds - 1).clip(lower=1).to_numpy(float)
-    se = ((g.step_hi - g.step_lo) / (2 * stats.t.ppf(0.975, dof))).to_numpy(float)
+    dof = (costs.rounds - 1).clip(lower=1).to_numpy(float)
+    se = (costs.step_hi - costs.step_lo).to_numpy(float) / (2 * stats.t.ppf(0.975, dof))
     w = 1 / np.maximum(se, 1e-9) ** 2
-    mid = float(np.sum(w * (g.step_lo + g.step_hi).to_numpy(float) / 2) / w.sum())
-    half = float(stats.t.ppf(0.975, dof.sum()) / np.sqrt(w.sum()))
-    return pd.Series({"step_ms": float(np.sum(w * g.step_ms.to_numpy(float)) / w.sum()),
-                      "step_lo": mid - half, "step_hi": mid + half})
-
-
-def _pooled_by(costs: pd.DataFrame, key: str) -> pd.DataFrame:
-    """`costs`' steps pooled per value of `key` (`_pooled_step`), sorted by it."""
-    return costs.groupby(key)[["step_ms", "step_lo", "step_hi", "rounds"]].apply(
-        _pooled_step).sort_index()
+    parts = pd.DataFrame({"w": w, "wm": w * costs.step_ms.to_numpy(float),
+                          "wmid": w * (costs.step_lo + costs.step_hi).to_numpy(float) / 2,
+                          "dof": dof, "nan": np.isnan(w)}, index=costs.index)
+    g = parts.join(costs[key]).groupby(key).sum().sort_index()
+    g.loc[g.nan > 0, ["w", "wm", "wmid"]] = np.nan
+    mid, half = g.wmid / g.w, stats.t.ppf(0.975, g.dof) / np.sqrt(g.w)
+    return pd.DataFrame({"step_ms": g.wm / g.w, "step_lo": mid - half, "step_hi": mid + half})
 
 
 def _plain_layers(costs: pd.DataFrame, eager: bool) -> list[int]:
@@ -53,7 +52,7 @@ def fit_layers(costs: pd.DataFrame, layers: int, eager: bool = False) -> tuple[
     n-row graph runs B = n on a larger one, so steps are paired across depths by rows, never
     by B), a line
     T_plain(n, L) = a + b L (least squares; needs two layer counts; where several batch
-    sizes ran one graph at one depth, their steps pooled by `_pooled_step`). A size is
+    sizes ran one graph at one depth, their steps pooled by `_pooled_by`). A size is
     extrapolated only where the deepest plain step's 95% interval lies above the shallowest
     one's: a step that does not grow resolvably with depth is host time, and a line through
     it says nothing about `layers` (ValueError when no size resolves, or fewer than two
@@ -65,8 +64,8 @@ def fit_layers(costs: pd.DataFrame, layers: int, eager: bool = False) -> tuple[
         raise ValueError("extrapolation needs plain steps at two layer counts; have "
                          f"{Ls}")
     fit, synth = [], []
-    for n, g in plain.groupby("rows"):
-        by_L = _pooled_by(g, "layers")
+    for n, by_L in _pooled_by(plain, ["rows", "layers"]).groupby(level="rows"):
+        by_L = by_L.droplevel("rows")
         if len(by_L) < 2:
             continue
         b, a = np.polyfit(by_L.index.to_numpy(float), by_L.step_ms, 1)

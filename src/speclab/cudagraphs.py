@@ -88,11 +88,10 @@ def step_rows(B: int, k: int, eager: bool, sizes=None, gpu: str = "hopper",
               vllm: str = "0.26") -> int:
     """Rows a decode step of B requests at k (plain: 0) runs: B (k + 1) eager, else
     G_{k+1}(B) from the engine's capture sizes `sizes` (None: vLLM's default;
-    `cudagraphs.graph_rows` on `gpu` with release `vllm`, 0.26 where every run here ran)."""
+    `graph_rows` on `gpu` with release `vllm`, 0.26 where every run here ran)."""
     if eager:
         return int(B) * (k + 1)
-    return graph_rows(int(B), k + 1, sizes if isinstance(sizes, list) else None,
-                                 gpu, vllm)
+    return graph_rows(int(B), k + 1, sizes if isinstance(sizes, list) else None, gpu, vllm)
 
 
 def padding(batches, ks, gpu: str = "hopper", vllm: str = "0.26") -> list[dict]:

@@ -197,6 +197,10 @@ def test_the_h100_plan_fits_one_engine_at_a_time():
     assert max(weights[e.layers] + e.kv_bytes / memory.GiB + 2.5 for e in h100) \
         < G.CAPACITY * 79.6 < weights[24] + 4.5  # the control: 24 layers would not fit
     assert h100[0].extra_batches == (2, 3, 4, 32, 48, 64) and h100[-1].layers == 12
+    served = P.PLANS["timing-h100-serve"]()  # the same engines, plain and k = 3 also served
+    assert [e.name for e in served if e.serve] == ["L18-k0-graphs-serve", "L18-k3-graphs-serve"]
+    assert [e for e in served if not e.serve] == h100
+    assert len(G.pack_groups(served, weights, G.CAPACITY * 79.6, 2.5)) == 7
 
 
 def test_the_held_depth_plan_fits_an_h200_one_engine_at_a_time():

@@ -246,6 +246,14 @@ def h100_plan(deep: int = 18, shallow: int = 12) -> list[Engine]:
             replace(plain, layers=shallow)]
 
 
+def h100_serve_plan(deep: int = 18, shallow: int = 12) -> list[Engine]:
+    """`timing-h100` with its plain and k = 3 engines also behind `vllm serve` at B = 1 and 16
+    (concurrency 1 and 16: the serve path at real shape), after the offline k = 3 and before
+    k = 2, 1 and the shallow plain, which a deadline may cut."""
+    plain, k3, *rest = h100_plan(deep, shallow)
+    return [plain, k3, *(Engine(deep, k, batches=(1, 16), serve=True) for k in (0, 3)), *rest]
+
+
 def jit_cold_plan() -> list[Engine]:
     """What the carried JIT caches save: k = 3 at 4 layers, B = 1, started with no cache (its
     own empty HOME) and then with the carried ones; compare `engine_init_s` and round 0."""
@@ -264,7 +272,7 @@ PLANS = {**{f"timing-{v}": (lambda v=v: timing_plan(v)) for v in DRAFT_VARIANTS}
          **{f"timing-deep-k{k}": (lambda k=k: [Engine(32, k, batches=(1, 16))])
             for k in range(1, 6)},
          "timing-deep-rest": deep_rest_plan, "jit-cold": jit_cold_plan,
-         "timing-h100": h100_plan,
+         "timing-h100": h100_plan, "timing-h100-serve": h100_serve_plan,
          "timing-deep-mtp": mtp_plan, "timing-deep-next": next_plan,
          "timing-deep-final": final_plan, "timing-deep-b64": b64_plan,
          "timing-deep-mtp2": mtp2_plan, "timing-deep-36": held_depth_plan,

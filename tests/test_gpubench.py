@@ -201,6 +201,9 @@ def test_the_h100_plan_fits_one_engine_at_a_time():
     assert [e.name for e in served if e.serve] == ["L18-k0-graphs-serve", "L18-k3-graphs-serve"]
     assert [e for e in served if not e.serve] == h100
     assert len(G.pack_groups(served, weights, G.CAPACITY * 79.6, 2.5)) == 7
+    host = [e.name for e in P.PLANS["timing-h100-host"]()]  # k = 1, then the shallow pair
+    assert host == ["L18-k0-graphs", "L18-k1-graphs", "L12-k0-graphs", "L12-k3-graphs",
+                    "L18-k3-graphs"]
 
 
 def test_the_held_depth_plan_fits_an_h200_one_engine_at_a_time():

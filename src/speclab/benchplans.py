@@ -254,6 +254,15 @@ def h100_serve_plan(deep: int = 18, shallow: int = 12) -> list[Engine]:
     return [plain, k3, *(Engine(deep, k, batches=(1, 16), serve=True) for k in (0, 3)), *rest]
 
 
+def h100_host_plan(deep: int = 18, shallow: int = 12) -> list[Engine]:
+    """What the H100 run of 2026-12-06 left, and a test of its finding: plain and EAGLE-3
+    k = 1 at `deep` layers, then plain and k = 3 at `shallow` layers, whose shorter GPU step
+    should leave the GPU waiting longer for the host at B = 1 (`idle_ms` above the 1.3 ms of
+    k = 3 at 18 layers), then k = 3 at `deep` again (a second machine's repeat)."""
+    plain, k3, _, k1, plain_shallow = h100_plan(deep, shallow)
+    return [plain, k1, plain_shallow, replace(k3, layers=shallow), k3]
+
+
 def jit_cold_plan() -> list[Engine]:
     """What the carried JIT caches save: k = 3 at 4 layers, B = 1, started with no cache (its
     own empty HOME) and then with the carried ones; compare `engine_init_s` and round 0."""
@@ -273,6 +282,7 @@ PLANS = {**{f"timing-{v}": (lambda v=v: timing_plan(v)) for v in DRAFT_VARIANTS}
             for k in range(1, 6)},
          "timing-deep-rest": deep_rest_plan, "jit-cold": jit_cold_plan,
          "timing-h100": h100_plan, "timing-h100-serve": h100_serve_plan,
+         "timing-h100-host": h100_host_plan,
          "timing-deep-mtp": mtp_plan, "timing-deep-next": next_plan,
          "timing-deep-final": final_plan, "timing-deep-b64": b64_plan,
          "timing-deep-mtp2": mtp2_plan, "timing-deep-36": held_depth_plan,

@@ -14,8 +14,10 @@ from pathlib import Path
 import pytest
 
 from speclab import benchplans as P
+from speclab import benchworker as W
 from speclab import cudagraphs, memory, steptiming, store, vllm_plugins
 from speclab import gpubench as G
+from speclab import mhcwarm as M
 from speclab.fixtures import realshape, repeat_loader
 
 FAKES = Path(__file__).parent / "fakes"
@@ -72,7 +74,7 @@ def test_mtp_engines_draft_with_the_targets_own_head(tmp_path, fake_pair, monkey
     e = P.Engine(32, 3, batches=(1, 16), method="mtp")
     assert e.name == "L32-k3-graphs-mtp" and e.fixture == (32, "fp4", 4, True)
     assert P.Engine(32, 0, method="mtp").fixture == (32, "fp4", 4, False)  # plain is plain
-    args = G.engine_args(e, "t", None, P.KV_BYTES, 0.2)
+    args = W.engine_args(e, "t", None, P.KV_BYTES, 0.2)
     assert args["speculative_config"] == {"method": "mtp", "num_speculative_tokens": 3}
     with pytest.raises(ValueError, match="method must be eagle3 or mtp"):
         P.Engine(4, 3, method="medusa")
@@ -249,40 +251,40 @@ def test_timing_variants_set_the_draft_and_keep_plain_alike():
 
 def test_prompt_lengths_prefill_in_one_warmed_step():
     for B in (1, 2, 3, 4, 5, 6, 8, 12, 16, 20, 24, 32, 48, 64, 80, 96):
-        n = G.prompt_lengths(B)
+        n = W.prompt_lengths(B)
         total = sum(n)
-        assert len(n) == B and max(n) - min(n) <= 1 and max(n) <= G.PROMPT_LEN
-        assert total & (total - 1) == 0 and total <= G.MAX_BATCHED  # a power of two
-        assert 2 * total > min(B * G.PROMPT_LEN, G.MAX_BATCHED)  # the largest such
-    assert G.prompt_lengths(3) == [171, 171, 170]
-    assert G.prompt_lengths(16) == [256] * 16
+        assert len(n) == B and max(n) - min(n) <= 1 and max(n) <= W.PROMPT_LEN
+        assert total & (total - 1) == 0 and total <= W.MAX_BATCHED  # a power of two
+        assert 2 * total > min(B * W.PROMPT_LEN, W.MAX_BATCHED)  # the largest such
+    assert W.prompt_lengths(3) == [171, 171, 170]
+    assert W.prompt_lengths(16) == [256] * 16
     with pytest.raises(ValueError, match="does not fit"):
-        G.prompt_lengths(8192)
+        W.prompt_lengths(8192)
 
 
 def test_batch_prompts_keep_the_oracle_in_the_draft_vocabulary():
     from speclab.fixtures import realshape
 
     for B in (3, 96):
-        prompts = G.batch_prompts(B, seed=7, k=5)
-        assert [len(p) for p in prompts] == G.prompt_lengths(B)
+        prompts = W.batch_prompts(B, seed=7, k=5)
+        assert [len(p) for p in prompts] == W.prompt_lengths(B)
         full = realshape.prompt_ids(B, max(map(len, prompts)), seed=7,
-                                    max_tokens=G.MAX_TOKENS, k=5)
+                                    max_tokens=W.MAX_TOKENS, k=5)
         assert [p[-1] for p in prompts] == [f[-1] for f in full]
 
 
 def test_engine_args_capture_every_verify_step():
     e = P.Engine(4, 5, batches=(1, 16))
-    args = G.engine_args(e, "t", "d", P.KV_BYTES, 0.2)
+    args = W.engine_args(e, "t", "d", P.KV_BYTES, 0.2)
     assert args["compilation_config"]["max_cudagraph_capture_size"] == 96
     # a plain engine captures every size it runs beside vLLM's (18 is none of vLLM's), and
     # only the list: vLLM 0.26 refuses a list and a maximum that disagree
     plain = P.Engine(32, 0, batches=(4,), extra_batches=(16, 18, 24))
-    assert G.engine_args(plain, "t", None, P.KV_BYTES, 0.2)["compilation_config"] == {
+    assert W.engine_args(plain, "t", None, P.KV_BYTES, 0.2)["compilation_config"] == {
         "cudagraph_capture_sizes": [1, 2, 4, 8, 16, 18, 24]}
     assert P.Engine(32, 0, batches=(1, 16)).capture_sizes is None  # vLLM's own
     assert args["speculative_config"]["num_speculative_tokens"] == 5
-    assert "compilation_config" not in G.engine_args(P.Engine(4, 0, eager=True), "t", None,
+    assert "compilation_config" not in W.engine_args(P.Engine(4, 0, eager=True), "t", None,
                                                      P.KV_BYTES, 0.2)
 
 
@@ -396,8 +398,8 @@ def test_a_deep_target_loads_with_the_repeat_format(tmp_path):
     for d in (deep, shallow):
         d.mkdir()
     (deep / repeat_loader.SOURCES).write_text(json.dumps({"sources": {"5": 3}}))
-    assert G.engine_args(spec, str(deep), "d", P.KV_BYTES, 0.5)["load_format"] == "speclab_repeat"
-    assert "load_format" not in G.engine_args(spec, str(shallow), "d", P.KV_BYTES, 0.5)
+    assert W.engine_args(spec, str(deep), "d", P.KV_BYTES, 0.5)["load_format"] == "speclab_repeat"
+    assert "load_format" not in W.engine_args(spec, str(shallow), "d", P.KV_BYTES, 0.5)
 
 
 def test_log_facts_keep_what_ran():
@@ -405,7 +407,7 @@ def test_log_facts_keep_what_ran():
             "INFO 12-02 [b.py:2] something else\n"
             "INFO 12-02 [a.py:1] Using 'MARLIN' Mxfp4 MoE backend\n"
             "INFO [c.py:3] Model loading took 15.45 GiB memory\n")
-    assert G.log_facts(text) == ["Using 'MARLIN' Mxfp4 MoE backend",
+    assert W.log_facts(text) == ["Using 'MARLIN' Mxfp4 MoE backend",
                                  "Model loading took 15.45 GiB memory"]
 
 
@@ -419,10 +421,10 @@ def test_oracle_diag_plan_separates_kv_grouping_and_graphs():
 
 def test_oracle_diag_arms_set_draft_eager_and_fa_splits():
     eager_draft, heuristic_splits = P.oracle_diag_plan()[-2:]
-    a = G.engine_args(eager_draft, "t", "d", 1 << 30, 0.1)
+    a = W.engine_args(eager_draft, "t", "d", 1 << 30, 0.1)
     assert a["speculative_config"]["enforce_eager"] is True and not a["enforce_eager"]
     assert "attention_config" not in a
-    b = G.engine_args(heuristic_splits, "t", "d", 1 << 30, 0.1)
+    b = W.engine_args(heuristic_splits, "t", "d", 1 << 30, 0.1)
     assert b["attention_config"] == {"flash_attn_max_num_splits_for_cuda_graph": 0}
     assert "enforce_eager" not in b["speculative_config"]
 
@@ -439,9 +441,9 @@ def test_jit_lines_count_every_tilelang_variant():
            "(EngineCore pid=6797) 2026-12-03 18:10:38  [TileLang:tilelang.jit.kernel:INFO] "
            "(kernel.py:141): TileLang completes to compile kernel `mhc_pre_big_fuse_with_norm_"
            "tilelang`\n")
-    assert sorted(set(G.JIT_LINE.findall(log))) == [
+    assert sorted(set(W.JIT_LINE.findall(log))) == [
         "mhc_pre_big_fuse_broadcast_with_norm_tilelang", "mhc_pre_big_fuse_with_norm_tilelang"]
-    assert G.JIT_LINE.findall(log.splitlines()[2]) == []  # a finished compile is not a new one
+    assert W.JIT_LINE.findall(log.splitlines()[2]) == []  # a finished compile is not a new one
 
 
 def test_a_32_kv_head_draft_gets_the_kv_cache_its_pages_need():
@@ -452,12 +454,12 @@ def test_a_32_kv_head_draft_gets_the_kv_cache_its_pages_need():
 
 
 def test_mhc_warm_sizes_cover_every_split_variant():
-    sizes = G.mhc_warm_sizes()
-    variants = {(G.mhc_splits(n, 64), G.mhc_splits(n, 16)) for n in range(1, G.MAX_BATCHED + 1)}
-    assert {(G.mhc_splits(n, 64), G.mhc_splits(n, 16)) for n in sizes} == variants
-    assert len(sizes) == len(variants) and max(sizes) <= G.MAX_BATCHED
+    sizes = M.mhc_warm_sizes()
+    variants = {(M.mhc_splits(n, 64), M.mhc_splits(n, 16)) for n in range(1, W.MAX_BATCHED + 1)}
+    assert {(M.mhc_splits(n, 64), M.mhc_splits(n, 16)) for n in sizes} == variants
+    assert len(sizes) == len(variants) and max(sizes) <= W.MAX_BATCHED
     # the step sizes seen compiling on the H200 (2026-12-03) are among the variants
-    assert G.mhc_splits(768, 64) == 11 and G.mhc_splits(4096, 64) == 2
+    assert M.mhc_splits(768, 64) == 11 and M.mhc_splits(4096, 64) == 2
 
 
 def test_a_failed_warm_up_does_not_stop_the_driver(tmp_path, fake_pair):

@@ -10,7 +10,7 @@ tokens and of the vocabulary's end. data/prompts/layer-rig-dsv4-ids.jsonl: 16 pr
 prompts of 256 tokens for the real-shape pair (`speclab.fixtures.realshape.prompt_ids`: ids
 in the draft vocabulary, the last one low enough that the greedy continuation of
 `REALSHAPE_MAX_TOKENS` tokens at k <= 3 stays inside it; 256 tokens, a power of two, is a
-prefill size vLLM 0.26 warms DeepSeek-V4's mHC kernels up for: `gpubench.prompt_lengths`).
+prefill size vLLM 0.26 warms DeepSeek-V4's mHC kernels up for: `benchworker.prompt_lengths`).
 Deterministic: `python tools/make_token_prompts.py`."""
 
 import json

@@ -307,8 +307,8 @@ def memory_check(runs) -> pd.DataFrame:
     import re
 
     from speclab import memory
+    from speclab.benchworker import MAX_BATCHED
     from speclab.fixtures import realshape
-    from speclab.gpubench import MAX_BATCHED
 
     rows = []
     for e in engines(runs):

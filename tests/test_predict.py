@@ -778,3 +778,32 @@ def test_the_h100_served_points_match_offline_and_its_b1_miss_is_host_time():
     assert len(b1) == 2 and (b1.error > 0.15).all() and (b1.idle_ms > 0.6 * b1.err_ms).all()
     h200 = stepcosts.step_anatomy(stepcosts.load(runs / "h200-realshape-20261204-vllm026-graphs"))
     assert (h200.query("layers == 32 and B == 1 and k > 0").idle_ms.abs() < 0.25).all()
+
+
+def test_the_report_places_the_wait_where_the_runs_timed_the_calls_start(tmp_path):
+    """A run whose split passes recorded the calls' GPU start times (`t_ms`) gets the step
+    anatomy's `gap_` columns, with the wait before the target's forward; the committed run
+    without them (the control) keeps its table as it was."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    from speclab import predictreport
+
+    src = Path(__file__).resolve().parents[1] / "data/runs/h100-realshape-20261206-vllm026-serve18"
+    run = tmp_path / src.name
+    run.mkdir()
+    for name in ("results.jsonl", "engines.jsonl", "env.json"):
+        shutil.copy(src / name, run / name)
+    assert "gap_execute_ms" not in predictreport.report(run).read_text()
+    rows = [json.loads(x) for x in (run / "results.jsonl").read_text().splitlines()]
+    for r in rows:  # a timeline: each call starts 0.5 ms after the previous one ended
+        t = 0.0
+        for c in r.get("calls") or []:
+            if c.get("op") in ("execute", "sample"):
+                c["t_ms"], t = t, t + c["ms"] + 0.5
+    (run / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    md = predictreport.report(run).read_text()
+    assert "gap_execute_ms | gap_sample_ms" in md and "where that wait falls" in md
+    a = stepcosts.step_anatomy(stepcosts.load(run))
+    assert a.gap_execute_ms.round(6).eq(0.5).all() and a.gap_sample_ms.round(6).eq(0.5).all()

@@ -177,6 +177,8 @@ def report(runs, rates=predict.PUBLISHED_EAGLE31,
         cols = [*CONFIG, "k", "B", *(f"{op}_{t}" for op in ("execute", "sample", "propose")
                                      for t in ("ms", "host_ms")), "gpu_ms", "tail_ms",
                 "step_ms", "idle_ms"]
+        timeline = anatomy.filter(like="gap_").notna().any()
+        cols += [c for c in timeline.index if timeline[c]]  # runs since 2026-12-06
         lines += ["## Step anatomy (split passes)", "",
                   ("Median per decode step, GPU time (CUDA events around the call) and host "
                    "time (wall time of the call) of the target's forward (`execute`), of "
@@ -187,7 +189,10 @@ def report(runs, rates=predict.PUBLISHED_EAGLE31,
                    "round a request ran; `tail_ms`, what those last steps add to the step at "
                    "B (the cost model's `pred_tail_ms` predicts it); `idle_ms`, the timed "
                    "passes' step less `gpu_ms`, what a step spends with the GPU waiting (the "
-                   "cost model leaves it out)."), "",
+                   "cost model leaves it out)" + ("; `gap_execute_ms` and `gap_sample_ms`, "
+                   "the median time in the split pass's step that the GPU ran neither call "
+                   "before the target's forward and before sampling (from the calls' GPU "
+                   "start times): where that wait falls." if timeline.any() else ".")), "",
                   _md(anatomy.sort_values([*CONFIG, "B", "k"]), cols), ""]
     budget = predict.error_budget(val, anatomy)
     budget = budget.dropna(subset=["err_ms"]) if len(budget) else budget

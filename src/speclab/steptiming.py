@@ -11,8 +11,10 @@ the call) and on the GPU (`ms`, two CUDA events around it on the current stream)
 recorded only while `<folder>/active` exists, so timed passes run the stock path but for one
 `stat`; when the flag is gone the pending events are synchronised and appended to
 `<folder>/<pid>.jsonl` as {"op": "execute" | "sample" | "propose", "tokens": scheduled
-tokens, "reqs": requests, "ms", "host_ms"} (`sample` takes the counts of the step's
-`execute`). Loaded through the project's general plugin (`speclab.vllm_plugins`).
+tokens, "reqs": requests, "ms", "host_ms", "t_ms"} (`sample` takes the counts of the step's
+`execute`; `t_ms`, the call's start on the GPU after the first call's of the same flush, so
+the gap between one call's end and the next one's start is time the stream ran none of these
+calls). Loaded through the project's general plugin (`speclab.vllm_plugins`).
 """
 
 from __future__ import annotations
@@ -41,11 +43,12 @@ class _Recorder:
     def flush(self) -> None:
         if not self.pending:
             return
-        rows = []
+        rows, ref = [], self.pending[0][4]
         for op, tokens, reqs, host_ms, start, end in self.pending:
             end.synchronize()
             rows.append({"op": op, "tokens": tokens, "reqs": reqs,
-                         "ms": start.elapsed_time(end), "host_ms": host_ms})
+                         "ms": start.elapsed_time(end), "host_ms": host_ms,
+                         "t_ms": ref.elapsed_time(start)})
         self.pending.clear()
         with open(self.folder / f"{os.getpid()}.jsonl", "a") as fh:
             fh.writelines(json.dumps(r) + "\n" for r in rows)

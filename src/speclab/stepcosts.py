@@ -265,8 +265,8 @@ def step_anatomy(results: pd.DataFrame, max_tokens: int = 128) -> pd.DataFrame:
     pass's decode steps, those its last requests ran alone included, per round a request
     ran, and `tail_ms`, what that adds to the mean step at B (the batch's tail,
     `predict.batch_step`); with the timed passes' step (`step_costs`), `idle_ms`: the step less
-    `gpu_ms`, the time a step the GPU waits for the host; `gaps`: where in the step the
-    split pass's GPU waited."""
+    `gpu_ms`, the time a step the GPU waits for the host; `gap_execute_ms` and
+    `gap_sample_ms` (`gaps`): where in the split pass's step the GPU waited."""
     rows = []
     for _, r in split_passes(results).iterrows():
         row = {"layers": r.layers, "eager": r.eager, "draft": draft_setting(r.engine, r.k),

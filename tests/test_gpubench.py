@@ -377,10 +377,7 @@ def test_steptiming_places_the_gpus_wait_within_the_step(tmp_path, monkeypatch):
     """The calls' GPU start times (`t_ms`) say where a step's wait falls: host work of 4 ms
     before each target forward shows as `gap_execute_ms` of 4 ms and none before sampling;
     without it (the control) neither gap reaches 1 ms. Records without `t_ms` give NaN."""
-    import pandas as pd
     import torch
-
-    from speclab import stepcosts
 
     monkeypatch.setattr(torch.cuda, "Event", _Event)
     so = type("S", (), {"total_num_scheduled_tokens": 12, "num_scheduled_tokens": [4] * 3})()
@@ -400,14 +397,14 @@ def test_steptiming_places_the_gpus_wait_within_the_step(tmp_path, monkeypatch):
         rec.flush()
         calls = steptiming.read(folder)
         assert [c["op"] for c in calls[:2]] == ["execute", "sample"] and calls[0]["t_ms"] == 0
-        return calls, stepcosts.gaps(pd.Series({"calls": calls, "B": 3, "k": 3}))
+        return calls, steptiming.gaps(calls, 3, 3)
 
     calls, slow = gaps(0.004)
     assert 4 <= slow["gap_execute_ms"] < 6 and slow["gap_sample_ms"] < 1
     _, quick = gaps(0)
     assert quick["gap_execute_ms"] < 1 and quick["gap_sample_ms"] < 1
     old = [{k: v for k, v in c.items() if k != "t_ms"} for c in calls]
-    assert all(map(np.isnan, stepcosts.gaps(pd.Series({"calls": old, "B": 3, "k": 3})).values()))
+    assert all(map(np.isnan, steptiming.gaps(old, 3, 3).values()))
 
 def test_plugin_dist_is_found_by_entry_points(tmp_path):
     vllm_plugins.write_dist(tmp_path)

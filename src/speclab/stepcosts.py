@@ -12,13 +12,12 @@ drafter.
 
 from __future__ import annotations
 
-from itertools import pairwise
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
-from speclab import analysis, cudagraphs, provenance
+from speclab import analysis, cudagraphs, provenance, steptiming
 
 
 def run_dirs(runs) -> list[Path]:
@@ -188,19 +187,6 @@ def decode_calls(r, ops) -> list[dict]:
             and c["tokens"] == c["reqs"] * (r.k + 1)]
 
 
-def gaps(r) -> dict[str, float]:
-    """Median GPU time per decode step at B requests that the stream ran neither the target's
-    forward nor sampling, before each (`gap_execute_ms`: after the previous step's sampling;
-    `gap_sample_ms`: after this step's forward), from the calls' GPU start times (`t_ms`, in
-    `speclab.steptiming` records since 2026-12-06; NaN for older records)."""
-    calls = [c for c in r["calls"] if c.get("op") in ("execute", "sample") and "t_ms" in c]
-    out = {"execute": [], "sample": []}
-    for prev, c in pairwise(calls):
-        if c["reqs"] == r.B and c["tokens"] == r.B * (r.k + 1) and prev["op"] != c["op"]:
-            out[c["op"]].append(c["t_ms"] - prev["t_ms"] - prev["ms"])
-    return {f"gap_{op}_ms": float(np.median(v)) if v else np.nan for op, v in out.items()}
-
-
 def _median(calls: list[dict], key: str) -> float:
     """Median of `key` over the calls that recorded it (NaN where none did)."""
     vals = [c[key] for c in calls if key in c]
@@ -266,7 +252,7 @@ def step_anatomy(results: pd.DataFrame, max_tokens: int = 128) -> pd.DataFrame:
     ran, and `tail_ms`, what that adds to the mean step at B (the batch's tail,
     `predict.batch_step`); with the timed passes' step (`step_costs`), `idle_ms`: the step less
     `gpu_ms`, the time a step the GPU waits for the host; `gap_execute_ms` and
-    `gap_sample_ms` (`gaps`): where in the split pass's step the GPU waited."""
+    `gap_sample_ms` (`steptiming.gaps`): where in the split pass's step the GPU waited."""
     rows = []
     for _, r in split_passes(results).iterrows():
         row = {"layers": r.layers, "eager": r.eager, "draft": draft_setting(r.engine, r.k),
@@ -282,7 +268,7 @@ def step_anatomy(results: pd.DataFrame, max_tokens: int = 128) -> pd.DataFrame:
                                                            / r.B)
             row["tail_ms"] = row["gpu_ms"] - (sum(c["ms"] for c in decode if c["reqs"] == r.B)
                                               / sum(c["reqs"] == r.B for c in executes))
-            rows.append({**row, **gaps(r)})
+            rows.append({**row, **steptiming.gaps(r["calls"], r.B, r.k)})
     out = pd.DataFrame(rows)
     if out.empty:
         return out

@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import time
+from itertools import pairwise
 from pathlib import Path
 
 ENV = "SPECLAB_STEP_TIMING"
@@ -103,3 +105,16 @@ def read(folder: Path) -> list[dict]:
     for path in sorted(Path(folder).glob("*.jsonl")):
         rows += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     return rows
+
+
+def gaps(calls: list[dict], B: int, k: int) -> dict[str, float]:
+    """Median GPU time per decode step at `B` requests (B (k + 1) tokens) that the stream ran
+    neither the target's forward nor sampling, before each (`gap_execute_ms`: after the
+    previous step's sampling; `gap_sample_ms`: after this step's forward), from the recorded
+    calls' GPU start times (`t_ms`, since 2026-12-06; NaN for records without them)."""
+    timed = [c for c in calls if c.get("op") in ("execute", "sample") and "t_ms" in c]
+    out = {"execute": [], "sample": []}
+    for prev, c in pairwise(timed):
+        if c["reqs"] == B and c["tokens"] == B * (k + 1) and prev["op"] != c["op"]:
+            out[c["op"]].append(c["t_ms"] - prev["t_ms"] - prev["ms"])
+    return {f"gap_{op}_ms": statistics.median(v) if v else float("nan") for op, v in out.items()}

@@ -11,7 +11,6 @@ import pathlib
 import statistics
 import tempfile
 import time
-from itertools import pairwise
 
 import torch
 
@@ -43,12 +42,10 @@ for prep_s in (0.0, 0.010, 0.0):
         sample(None, None)
     (folder / st.FLAG).unlink()
     rec.flush()
-    calls = [c for c in st.read(folder)[first:] if c["op"] in ("execute", "sample")]
-    gaps = {"execute": [], "sample": []}
-    for prev, c in pairwise(calls):
-        gaps[c["op"]].append(c["t_ms"] - prev["t_ms"] - prev["ms"])
+    calls = st.read(folder)[first:]
+    gaps = st.gaps(calls, 1, 3)  # the stand-in step: 4 tokens of one request
     fwd = [c for c in calls if c["op"] == "execute"]
     print(f"host work {prep_s * 1e3:.0f} ms: forward {statistics.median(c['ms'] for c in fwd):.3f}"
           f" ms GPU, {statistics.median(c['host_ms'] for c in fwd):.3f} ms host; gap before the "
-          f"forward {statistics.median(gaps['execute']):.3f} ms, before sampling "
-          f"{statistics.median(gaps['sample']):.3f} ms")
+          f"forward {gaps['gap_execute_ms']:.3f} ms, before sampling "
+          f"{gaps['gap_sample_ms']:.3f} ms")

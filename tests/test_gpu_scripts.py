@@ -1,8 +1,8 @@
 """The device-side shell tools that carry state between device calls: tools/gpu/jit.sh (JIT
 caches in both tarball layouts), tools/gpu/labd.sh (lab.py detached from the call, with the
 environment of every stage it is given), the Ray layer: tools/gpu/pack.sh --ray and
-tools/gpu/unpack.sh's SPECLAB_RAY_SITE; and, on the CPU machine, tools/gpu/lean.sh (what
-travels to the device)."""
+tools/gpu/unpack.sh's SPECLAB_RAY_SITE; on the CPU machine, tools/gpu/lean.sh (what
+travels to the device); and what tools/gpu/gpu_env.py records of the machine."""
 
 import io
 import json
@@ -287,3 +287,25 @@ def test_lean_sends_only_what_the_device_reads_and_blocks_commits_until_off(tmp_
     # an unknown run folder is refused, and nothing stays half lean
     assert lean("on", "nope")[0] == 2 and lean("size")[1].startswith("7.0 MiB")
     assert not (root / ".git/hooks/pre-commit").exists()
+
+
+def test_gpu_env_names_the_machine_a_run_had(tmp_path, monkeypatch):
+    """env.json's `machine`: this boot's id, the CPU model and count, and the GPUs' UUIDs as
+    nvidia-smi gives them; a fake nvidia-smi on PATH (the control) changes the UUIDs only."""
+    sys.path.insert(0, str(REPO / "tools" / "gpu"))
+    try:
+        import gpu_env
+    finally:
+        sys.path.pop(0)
+    m = gpu_env.machine()
+    assert m["boot_id"] == Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    assert m["cpus"] == os.cpu_count() and m["cpu"] and m["hostname"]
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "nvidia-smi").write_text("#!/bin/sh\necho GPU-0f1e; echo GPU-2d3c\n")
+    (bin_dir / "nvidia-smi").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    faked = gpu_env.machine()
+    assert faked["gpu_uuid"] == ["GPU-0f1e", "GPU-2d3c"] and faked["gpu_uuid"] != m["gpu_uuid"]
+    assert {k: v for k, v in faked.items() if k != "gpu_uuid"} == \
+        {k: v for k, v in m.items() if k != "gpu_uuid"}

@@ -123,7 +123,8 @@ def test_the_h200_run_on_a_tp8_ep_node(tmp_path):
     ex = _extrapolated()
     fit = nodecost.expert_fit(ex["fit"])
     tb_s = nodecost.expert_bytes("fp4") / (fit["beta_ms"] * 1e-3) / 1e12
-    assert 0.5 < tb_s < nodecost.HBM_TB_S and f"{tb_s:.2f} TB/s" in section
+    assert 0.5 < tb_s < nodecost.HBM_TB_S["H200"] and f"{tb_s:.2f} TB/s" in section
+    assert "(the H200's HBM: 4.8 TB/s)" in section
     s = nodecost.summary(nodecost.bracket(ex, predict.PUBLISHED_EAGLE31, 8), ex["prediction"])
     k3 = s[(s.B == 1) & (s.k == 3)].iloc[0]
     assert k3.node_lo <= k3.weights_lo <= k3.weights_hi <= k3.node_hi and k3.corners == 9
@@ -136,10 +137,13 @@ def test_the_h200_run_on_a_tp8_ep_node(tmp_path):
 def test_a_per_expert_cost_faster_than_the_hbm_is_flagged(tmp_path, monkeypatch):
     """The bandwidth check's control: a synthetic run whose per-layer step grows by 1 us an
     expert read (13 TB/s of MXFP4 experts) gets its node section flagged as a broken fit; at
-    5 us an expert (the H200 run's order) it is not."""
+    5 us an expert (the H200 run's order) it is not. The ceiling is the runs' GPU's: 3 us an
+    expert (4.5 TB/s) is broken on an H100 (3.35 TB/s), not on an H200 (4.8)."""
+    import json
+
     import test_predict
 
-    def run(ns_per_expert: float, name: str) -> str:
+    def run(ns_per_expert: float, name: str, gpu: str | None = None) -> str:
         def law(n, layers=4):
             return layers * (0.1 + ns_per_expert * 1e-6 * predict.experts_touched(n)) + 0.02 * n
         monkeypatch.setattr(test_predict, "t_plain", law)
@@ -149,12 +153,19 @@ def test_a_per_expert_cost_faster_than_the_hbm_is_flagged(tmp_path, monkeypatch)
             res.to_json(orient="records", lines=True))
         (tmp_path / name / "call1" / "engines.jsonl").write_text(
             '{"engine": "L4-k0", "expert_dtype": "fp4"}\n')
+        if gpu:
+            (tmp_path / name / "env.json").write_text(json.dumps(
+                {"nvidia_smi": [f"{gpu}, 81559 MiB, 580.159.04"], "versions": {"vllm": "0.26.0"}}))
         md = predictreport.report(tmp_path / name).read_text()
         return md[md.index("## On a TP 8 + EP node"):]
 
     assert "the fit is broken" in run(1000, "fast")
     ok = run(5000, "plausible")
     assert "not measured" in ok.splitlines()[0] and "broken" not in ok
+    assert "GPU unknown" in ok and "(the H100's HBM: 3.35 TB/s)" not in ok
+    h100 = run(3000, "h100", gpu="NVIDIA H100 80GB HBM3")
+    assert "(the H100's HBM: 3.35 TB/s): **more than the HBM delivers" in h100
+    assert "broken" not in run(3000, "h200", gpu="NVIDIA H200")
 
 
 def test_predict_refuses_a_node_without_an_allreduce_curve(tmp_path, capsys):

@@ -780,6 +780,27 @@ def test_the_h100_served_points_match_offline_and_its_b1_miss_is_host_time():
     assert (h200.query("layers == 32 and B == 1 and k > 0").idle_ms.abs() < 0.25).all()
 
 
+def test_a_second_h100_shows_no_host_wait_at_b1_so_the_wait_was_the_machines():
+    """The committed `timing-h100-host` run (another H100, same bundle and shapes): at B = 1
+    the GPU waits under 0.25 ms a step, at 12 layers too (a shorter step did not make it wait
+    longer), the split passes place no gap before either call, and the model's B = 1 error
+    at 18 layers, k = 3, is within 5% and its speedup's interval excludes 1×; the first
+    H100's run of the same point (the control) missed by more than 15%."""
+    from pathlib import Path
+
+    runs = Path(__file__).resolve().parents[1] / "data/runs"
+    res = stepcosts.load(runs / "h100-realshape-20261206-vllm026-host")
+    a = stepcosts.step_anatomy(res)
+    b1 = a[a.B == 1]
+    assert set(b1.layers) == {12, 18} and (b1.idle_ms.abs() < 0.25).all()
+    assert (a.gap_execute_ms < 0.01).all() and (a.gap_sample_ms < 0.01).all()
+    v = predict.validate(res).set_index(["layers", "k", "B"])
+    first = predict.validate(stepcosts.load(runs / "h100-realshape-20261206-vllm026-serve18"))
+    assert abs(v.loc[(18, 3, 1), "error"]) < 0.05
+    assert first.set_index(["k", "B"]).loc[(3, 1), "error"] > 0.15
+    assert v.loc[(18, 3, 1), "speedup_lo"] > 1
+
+
 def test_the_report_places_the_wait_where_the_runs_timed_the_calls_start(tmp_path):
     """A run whose split passes recorded the calls' GPU start times (`t_ms`) gets the step
     anatomy's `gap_` columns, with the wait before the target's forward; the committed run

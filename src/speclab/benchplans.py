@@ -283,6 +283,8 @@ PLANS = {**{f"timing-{v}": (lambda v=v: timing_plan(v)) for v in DRAFT_VARIANTS}
          "timing-deep-rest": deep_rest_plan, "jit-cold": jit_cold_plan,
          "timing-h100": h100_plan, "timing-h100-serve": h100_serve_plan,
          "timing-h100-host": h100_host_plan,
+         # the k = 2, B = 1 step time that fell over five rounds on 2026-12-06, repeated
+         "timing-h100-k2": lambda: [Engine(18, 2, batches=(1, 16))],
          "timing-deep-mtp": mtp_plan, "timing-deep-next": next_plan,
          "timing-deep-final": final_plan, "timing-deep-b64": b64_plan,
          "timing-deep-mtp2": mtp2_plan, "timing-deep-36": held_depth_plan,

@@ -239,7 +239,8 @@ def report(runs, rates=predict.PUBLISHED_EAGLE31,
                                          "best"]),
                   "", *_spread_lines(costs, drafts, by_method, layers)]
         if gpus > 1:
-            lines += _node_section(ex, by_method, gpus, _expert_dtypes(dirs), out_dir)
+            gpu = stepcosts.check_poolable(dirs)[0].get("gpu")
+            lines += _node_section(ex, by_method, gpus, _expert_dtypes(dirs), gpu, out_dir)
     except ValueError as e:
         lines += [f"## {layers} layers", "", f"Not extrapolated: {e}.", ""]
     mem = stepcosts.memory_check(dirs)
@@ -331,9 +332,10 @@ def _pooled_section(dirs: list[Path], res: pd.DataFrame) -> list[str]:
                        "rounds", "spread", "overlap"]), ""]
 
 
-def _node_section(ex: dict, rates, gpus: int, dtypes: set[str], out_dir: Path) -> list[str]:
+def _node_section(ex: dict, rates, gpus: int, dtypes: set[str], gpu: str | None,
+                  out_dir: Path) -> list[str]:
     """The TP `gpus` + EP bracket (`speclab.nodecost`) as report lines, its figure written
-    into `out_dir`/figures."""
+    into `out_dir`/figures; `gpu`, nvidia-smi's name of the runs' GPU (None: unknown)."""
     from speclab import plots
     try:
         fit = nodecost.expert_fit(ex["fit"])
@@ -350,10 +352,11 @@ def _node_section(ex: dict, rates, gpus: int, dtypes: set[str], out_dir: Path) -
                        for (d, b), ks in best.items())
     layers = int(ex["plain"].layers.iloc[0])
     tb_s = nodecost.expert_bytes(dtype) / (fit["beta_ms"] * 1e-3) / 1e12
+    whose, hbm = nodecost.hbm_tb_s(gpu)
     bw = (f" One {dtype} expert is {nodecost.expert_bytes(dtype) / 2**20:.1f} MiB, so beta "
-          f"reads experts at {tb_s:.2f} TB/s (the H200's HBM: {nodecost.HBM_TB_S} TB/s)"
+          f"reads experts at {tb_s:.2f} TB/s ({whose}: {hbm} TB/s)"
           + (": **more than the HBM delivers, so the fit is broken and the numbers below "
-             "are not to be read**." if tb_s > nodecost.HBM_TB_S else "."))
+             "are not to be read**." if tb_s > hbm else "."))
     tp_ms = nodecost.divided_ms(fit["beta_ms"], layers, 1, dtype)
     plots.save(plots.node_bracket(table, gpus, layers), out_dir / "figures", "node_bracket",
                caption=f"TP {gpus} + EP bracket (speclab.nodecost)")

@@ -1,11 +1,13 @@
 #!/usr/bin/env python3
 """Device environment: `install --site DIR` puts tools/gpu/speclab_gpu_env.py and its .pth
 into the bundle's site dir; `report --out FILE` writes what the machine and bundle are
-(GPUs, driver, versions, overlay status with a probe, compressor kernel in use) as JSON."""
+(GPUs, driver, the host machine, versions, overlay status with a probe, compressor kernel in
+use) as JSON."""
 
 import argparse
 import json
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -34,6 +36,18 @@ def _read(path: str) -> str | None:
         return None
 
 
+def machine() -> dict:
+    """Which machine this is: two runs on the same GPU model differed by the host (2026-12-06,
+    two H100s: the GPU waited 1.3-1.8 ms a step for one host at batch 1, ~0 for the other)."""
+    cpu = next((line.split(":", 1)[1].strip() for line in
+                (_read("/proc/cpuinfo") or "").splitlines() if line.startswith("model name")),
+               platform.processor() or None)
+    return {"hostname": platform.node(), "boot_id": _read("/proc/sys/kernel/random/boot_id"),
+            "cpu": cpu, "cpus": os.cpu_count(),
+            "gpu_uuid": _run(["nvidia-smi", "--query-gpu=uuid", "--format=csv,noheader"])
+            .splitlines()}
+
+
 def report(out: Path) -> None:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -52,6 +66,7 @@ def report(out: Path) -> None:
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "nvidia_smi": _run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version",
                             "--format=csv,noheader"]).splitlines(),
+        "machine": machine(),
         "cuda": torch.version.cuda, "gpu_count": torch.cuda.device_count(),
         "python": sys.version.split()[0], "versions": vers,
         "compressor": ("triton (vLLM's compress_norm_rope_store_triton; CuTe DSL failed its "

@@ -573,6 +573,42 @@ def test_runs_pool_with_each_speedup_paired_inside_its_run(tmp_path):
     assert (blind.rounds == 3).all()
 
 
+def test_a_run_without_plain_pairs_with_the_plain_run_of_its_machine(tmp_path):
+    """A driver started again on one machine: the speculative engines in one run, the plain
+    engine in another, both env.json naming the same `machine` (boot id and GPU UUIDs).
+    Pooled, each speedup pairs with the other run's plain passes (`paired_run`) and equals the
+    speedup of the two as one run; the report says so. The controls: the same two runs
+    naming two machines, or none (env.json before 2026-12-06), give no speedup."""
+    import json
+
+    res = rows(rounds=3)
+    one = stepcosts.step_costs(stepcosts.load(write_run(tmp_path / "one", res)))
+    one = one.set_index(["k", "B"])
+
+    def pair(tag, boots):
+        runs = [write_run(tmp_path / tag / name, part) for name, part in
+                (("plain", res[res.k == 0]), ("spec", res[res.k > 0]))]
+        for run, boot in zip(runs, boots):
+            env = json.loads((run / "env.json").read_text())
+            if boot:
+                env["machine"] = {"boot_id": boot, "gpu_uuid": ["GPU-8c1f"], "cpus": 16}
+            (run / "env.json").write_text(json.dumps(env))
+        return runs, stepcosts.step_costs(stepcosts.load(runs)).set_index(["k", "B"])
+
+    runs, same = pair("same", ["b0", "b0"])
+    spec = same[same.index.get_level_values("k") > 0]
+    assert (spec.paired_run == "plain").all() and spec.paired_run.notna().all()
+    assert spec.speedup.to_numpy() == pytest.approx(one.speedup[spec.index].to_numpy())
+    md = predictreport.report(runs, out_dir=tmp_path / "same" / "pooled").read_text()
+    assert "| paired_run" in md and "of the one other run on the same machine" in md
+    assert "b0/GPU-8c1f" in md
+    for tag, boots in (("two", ["b0", "b1"]), ("unnamed", [None, None])):
+        _, c = pair(tag, boots)
+        assert c[c.index.get_level_values("k") > 0].speedup.isna().all(), tag
+    plain_only = predictreport.report(write_run(tmp_path / "alone", res)).read_text()
+    assert "paired_run" not in plain_only
+
+
 def test_runs_of_other_gpus_or_releases_do_not_pool(tmp_path):
     """Pooling needs one GPU model and one vLLM release, each run's env.json saying so,
     distinct folder names, and an output folder of its own; one run needs none of that."""

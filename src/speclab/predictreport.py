@@ -81,17 +81,21 @@ def report(runs, rates=predict.PUBLISHED_EAGLE31,
     drafts = stepcosts.draft_ms(res)
     val = predict.validate(res)
     spec = costs[costs.k > 0]
+    across = spec.paired_run.notna().any()  # a point paired with another run of its machine
     lines = [f"# Speed at DeepSeek-V4-Flash's real shapes: {name}", "",
              *_pooled_section(dirs, res),
              ("Decode throughput (tokens after the first, per second) and speedup over plain "
              "decoding at the same batch size, mean and 95% interval over timed rounds "
-             "(speedup: geometric mean of per-round ratios, round r paired with plain's round r)."), "",
+             "(speedup: geometric mean of per-round ratios, round r paired with plain's round r"
+              + (" of its own run, or where `paired_run` names one, of the one other run on "
+                 "the same machine, env.json's `machine`" if across else "") + ")."), "",
              (f"Timed rounds per point: {spec.rounds.min()} to {spec.rounds.max()}. "
               + ("**A point with one round has no interval and is not a result.**"
                  if spec.rounds.min() < 2 else "")) if len(spec) else "", "",
              _md(spec.sort_values([*CONFIG, "B", "k"]),
                  [*CONFIG, "B", "k", "al", "step_ms", "tok_s", "tok_s_lo", "tok_s_hi",
-                  "speedup", "speedup_lo", "speedup_hi", "rounds"]), ""]
+                  "speedup", "speedup_lo", "speedup_hi", "rounds",
+                  *(["paired_run"] if across else [])]), ""]
     paired = spec.dropna(subset=["speedup"])  # a configuration with a plain engine beside it
     best = paired.loc[paired.groupby([*CONFIG, "B"]).speedup.idxmax()] if len(paired) else paired
     lines += ["## Best k (measured)", "", _md(best, [*CONFIG, "B", "k", "speedup",
@@ -323,9 +327,11 @@ def _pooled_section(dirs: list[Path], res: pd.DataFrame) -> list[str]:
     return ["## Runs pooled", "",
             ("Step costs pooled from these runs (one GPU model and vLLM release, each run's "
              "`env.json`): a speculative point's speedup pairs with the plain passes of its "
-             "own run, round by round; the plain curve and the drafter times take every "
-             "run's passes."), "",
-            _md(prov, ["run", "gpu", "driver", "vllm", "torch", "date", "passes"]), "",
+             "own run, round by round (where its run has none, with those of the one other "
+             "run on its machine, `machine`: boot id / GPU UUIDs, recorded since 2026-12-06); "
+             "the plain curve and the drafter times take every run's passes."), "",
+            _md(prov, ["run", "gpu", "driver", "vllm", "torch", "date", "passes",
+                       *(["machine"] if prov.machine.notna().any() else [])]), "",
             (f"The plain steps two or more runs measured, per run ({worst}): pooling is "
              "pooling one quantity where they agree."), "",
             _md(same, ["layers", "eager", "B", "run", "step_ms", "step_lo", "step_hi",

@@ -66,7 +66,9 @@ def measured(run_dir: str | Path) -> dict:
 
 def gpu_env(run_dir: str | Path) -> dict:
     """What a GPU run's `env.json` (`tools/gpu/gpu_env.py report`) says it ran on: GPU model,
-    driver, CUDA, vLLM and torch releases, date; {} where the folder has none."""
+    driver, CUDA, vLLM and torch releases, date, and `machine` (this boot of this host with
+    its GPUs' UUIDs; None before env.json recorded it, 2026-12-06); {} where the folder has
+    none."""
     path = Path(run_dir) / "env.json"
     if not path.exists():
         return {}
@@ -75,7 +77,14 @@ def gpu_env(run_dir: str | Path) -> dict:
     versions = e.get("versions") or {}
     return {"gpu": smi[0] or None, "driver": smi[-1] if len(smi) > 1 else None,
             "cuda": e.get("cuda"), "vllm": versions.get("vllm"), "torch": versions.get("torch"),
-            "date": e.get("date")}
+            "date": e.get("date"), "machine": _machine(e.get("machine"))}
+
+
+def _machine(m: dict | None) -> str | None:
+    """One string for one machine as booted: its boot id and GPU UUIDs (None if either is
+    missing: a machine named only by its hostname could be another with the same name)."""
+    uuids = [u for u in (m or {}).get("gpu_uuid") or [] if str(u).startswith("GPU-")]
+    return f"{m['boot_id']}/{','.join(uuids)}" if m and m.get("boot_id") and uuids else None
 
 
 def caption(run_dir: str | Path) -> str:

@@ -59,13 +59,14 @@ def engines(runs) -> list[dict]:
 def load(runs) -> pd.DataFrame:
     """Every pass of one gpubench run or several (all calls: `results.jsonl` in each folder
     or below it), with its run's folder name (`run`: passes pair, and are kept once, within
-    their run) and its engine's CUDA-graph capture sizes as resolved (`engines`; column
-    `capture_sizes`, None where not recorded). Several runs pool their step costs: they
-    must share a GPU model and vLLM release (`check_poolable`)."""
+    their run), the machine it ran on (`machine`: env.json's, else the run's name) and its
+    engine's CUDA-graph capture sizes as resolved (`engines`; column `capture_sizes`, None
+    where not recorded). Several runs pool their step costs: they must share a GPU model and
+    vLLM release (`check_poolable`)."""
     from speclab.store import read_jsonl
 
-    check_poolable(runs)
-    rows = [{**r, "run": d.name} for d in run_dirs(runs)
+    machine = {p["run"]: p.get("machine") for p in check_poolable(runs)}
+    rows = [{**r, "run": d.name, "machine": machine[d.name] or d.name} for d in run_dirs(runs)
             for path in sorted(d.rglob("results.jsonl")) for r in read_jsonl(path)]
     if not rows:
         raise FileNotFoundError(f"no results.jsonl under {', '.join(map(str, run_dirs(runs)))}")
@@ -124,7 +125,9 @@ def step_costs(results: pd.DataFrame, max_tokens: int = 128) -> pd.DataFrame:
     """Per (layers, eager, k, B): step time, tok/s (mean and 95% t-interval over rounds),
     measured AL, tokens a request and rounds; speedup over the plain engine of the same
     (layers, eager, B) as the geometric mean of per-round ratios (rounds run interleaved, so
-    round r pairs)."""
+    round r pairs), within the point's run, or where its run has no such plain engine within
+    the one other run of the same machine (`machine`, a driver started again on one machine;
+    `paired_run` names it, else NaN)."""
     df = passes(results, max_tokens)
     keys = [*CONFIG, "k", "B"]
     rows = []
@@ -145,9 +148,15 @@ def step_costs(results: pd.DataFrame, max_tokens: int = 128) -> pd.DataFrame:
                   & (df.k == r.k) & (df.B == r.B)]
         base = df[(df.layers == r.layers) & (df.eager == r.eager) & (df.k == 0) & (df.B == r.B)]
         paired = mine.merge(base, on=[*_run_key(df), "round"], suffixes=("", "_0"))
-        sp.append(analysis.ratio_ci(paired.tok_s, paired.tok_s_0) if len(paired) else
-                  (np.nan,) * 3)
-    out["speedup"], out["speedup_lo"], out["speedup_hi"] = zip(*sp)
+        other = np.nan
+        if paired.empty and "machine" in df:
+            near = base[base.machine.isin(mine.machine) & ~base.run.isin(mine.run)]
+            if near.run.nunique() == 1:
+                paired = mine.merge(near, on=["machine", "round"], suffixes=("", "_0"))
+                other = near.run.iloc[0]
+        sp.append((*analysis.ratio_ci(paired.tok_s, paired.tok_s_0), other) if len(paired)
+                  else (np.nan,) * 4)
+    out["speedup"], out["speedup_lo"], out["speedup_hi"], out["paired_run"] = zip(*sp)
     return out
 
 

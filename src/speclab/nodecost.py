@@ -47,19 +47,24 @@ from speclab import cudagraphs, predict
 
 HIDDEN = 4096  # DeepSeek-V4-Flash's hidden_size
 BF16 = 2
-# HBM bandwidth per GPU model (NVIDIA's datasheets), matched in nvidia-smi's name, the more
-# specific names first: the ceiling a fitted per-expert read time is checked against.
-HBM_TB_S = {"H100 PCIe": 2.0, "H100 NVL": 3.9, "H100": 3.35, "H200": 4.8, "B200": 8.0}
+# HBM bandwidth of the HBM GPUs of `memory.GPUS` (NVIDIA's datasheets; H100: the SXM part): the
+# ceiling a fitted per-expert read time is checked against.
+HBM_TB_S = {"H200": 4.8, "H100": 3.35, "B200": 8.0}
 
 
 def hbm_tb_s(gpu: str | None) -> tuple[str, float]:
-    """(whose HBM, TB/s) for the GPU nvidia-smi names, e.g. ("the H100's HBM", 3.35); for an
-    unknown GPU the fastest HBM listed (a ceiling every listed GPU stays under), said so."""
-    for model, tb_s in HBM_TB_S.items():
-        if model.lower() in (gpu or "").lower():
-            return f"the {model}'s HBM", tb_s
+    """(whose HBM, TB/s) for the GPU nvidia-smi names (`memory.gpu_named`), e.g. ("the
+    H100's HBM", 3.35); for an unknown GPU the fastest HBM listed (a ceiling every listed
+    GPU stays under), said so."""
+    from speclab import memory
+
+    model = memory.gpu_named(gpu or "")
+    if model in HBM_TB_S:
+        return f"the {model}'s HBM", HBM_TB_S[model]
     model = max(HBM_TB_S, key=HBM_TB_S.get)
     return f"GPU unknown; the fastest HBM listed, the {model}'s", HBM_TB_S[model]
+
+
 # One all-reduce on 2, 4 and 8 H100s over NVLink, CUDA graphs off: SGLang PR #2904's table
 # (sgl-project/sglang, "optimize custom allreduce kernel"), microseconds at "data size" 512 ...
 # 1048576, a unit the table does not state. lo: SGLang's kernel with the size read as bf16

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from speclab import cudagraphs, layerfit, nodecost, paths, predict, stepcosts
+from speclab import cudagraphs, layerfit, nodecost, paths, predict, provenance, stepcosts
 from speclab.predict import MOE
 from speclab.stepcosts import CONFIG
 
@@ -243,7 +243,7 @@ def report(runs, rates=predict.PUBLISHED_EAGLE31,
                                          "best"]),
                   "", *_spread_lines(costs, drafts, by_method, layers)]
         if gpus > 1:
-            gpu = stepcosts.check_poolable(dirs)[0].get("gpu")
+            gpu = provenance.gpu_env(run_dir).get("gpu")  # pooled runs share one model
             lines += _node_section(ex, by_method, gpus, _expert_dtypes(dirs), gpu, out_dir)
     except ValueError as e:
         lines += [f"## {layers} layers", "", f"Not extrapolated: {e}.", ""]

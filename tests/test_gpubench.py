@@ -204,6 +204,7 @@ def test_the_h100_plan_fits_one_engine_at_a_time():
     assert [e.name for e in served if e.serve] == ["L18-k0-graphs-serve", "L18-k3-graphs-serve"]
     assert [e for e in served if not e.serve] == h100
     assert len(G.pack_groups(served, weights, G.CAPACITY * 79.6, 2.5)) == 7
+    assert P.PLANS["serve-h100"]() == [e for e in served if e.serve]  # the served pair alone
     host = [e.name for e in P.PLANS["timing-h100-host"]()]  # k = 1, then the shallow pair
     assert host == ["L18-k0-graphs", "L18-k1-graphs", "L12-k0-graphs", "L12-k3-graphs",
                     "L18-k3-graphs"]

@@ -302,6 +302,8 @@ PLANS = {**{f"timing-{v}": (lambda v=v: timing_plan(v)) for v in DRAFT_VARIANTS}
          "smoke-mtp-jit-cold": lambda: [*smoke_mtp_plan(), *jit_cold_plan()],
          "serve-deep": lambda: [Engine(32, 0, batches=(1, 16), serve=True),
                                 Engine(32, 3, batches=(1, 16), serve=True)],
+         # `timing-h100-serve`'s served pair alone (~8 min): was serve18's 1.16× its host?
+         "serve-h100": lambda: [e for e in h100_serve_plan() if e.serve],
          "serve-smoke": lambda: [Engine(4, 0, batches=(1, 4), serve=True),
                                  Engine(4, 3, batches=(1, 4), serve=True)],
          "oracle-diag": oracle_diag_plan,

@@ -392,6 +392,28 @@ def test_report_refuses_a_run_without_timed_rounds(tmp_path):
         predictreport.report(tmp_path)
 
 
+def test_report_of_a_run_that_only_served(tmp_path):
+    """A run of `vllm serve` engines alone (`serve-h100`, the committed third-H100 repeat)
+    reports its served speedups and weights, no cost model; its warm-up rounds alone (the
+    control) are still refused."""
+    import json
+    from pathlib import Path
+
+    src = Path(__file__).resolve().parents[1] / "data/runs/h100-realshape-20261206-vllm026-serverepeat"
+    md = predictreport.report(src, out_dir=tmp_path / "report").read_text()
+    assert "Only engines behind `vllm serve` ran" in md and "## Behind `vllm serve`" in md
+    assert "## Predicted vs measured" not in md and "## Weights: estimate vs vLLM" in md
+    row = next(line for line in md.splitlines() if line.startswith("18 | 16 | 3 |"))
+    assert row.split(" | ")[-1] == "4"  # round 1's 1.56 s prefill (a stall) is not kept
+    warm = tmp_path / "warm"
+    warm.mkdir()
+    (warm / "results.jsonl").write_text("".join(
+        line for line in (src / "results.jsonl").read_text().splitlines(keepends=True)
+        if json.loads(line)["round"] == 0))
+    with pytest.raises(ValueError, match="no timed pass"):
+        predictreport.report(warm)
+
+
 def test_memory_check_against_the_h200_loading_lines():
     """The committed real-shape run: 15.45 GiB (plain) and 16.26 GiB (with the draft) loaded;
     the estimate from the config alone is within 1%."""

@@ -59,11 +59,7 @@ def report(runs, rates=predict.PUBLISHED_EAGLE31,
     `rates` (MTP engines at `mtp_rates`) with its fit, and (`gpus` > 1) what a TP `gpus` + EP
     node changes to it. Raises ValueError when the runs have no timed round, cannot pool,
     or `gpus` has no all-reduce curve."""
-    import html
-
-    import mistune
-
-    from speclab import plots, store
+    from speclab import plots
 
     if gpus != 1 and gpus not in nodecost.AR_US:
         raise ValueError(f"--gpus {gpus}: the node bracket has all-reduce curves for "
@@ -76,14 +72,21 @@ def report(runs, rates=predict.PUBLISHED_EAGLE31,
     name = run_dir.name if len(dirs) == 1 else out_dir.name
     res = stepcosts.load(dirs)
     costs = stepcosts.step_costs(res)
+    title = f"# Speed at DeepSeek-V4-Flash's real shapes: {name}"
     if costs.empty:
-        raise ValueError(f"{run_dir}: no timed pass (round >= 1) yet; round 0 is the warm-up")
+        served = _served_lines(res)
+        if not served:
+            raise ValueError(f"{run_dir}: no timed pass (round >= 1) yet; round 0 is the "
+                             "warm-up")
+        return _write(out_dir, name, "\n".join(
+            [title, "", *_pooled_section(dirs, res),
+             ("Only engines behind `vllm serve` ran: no offline pass, so no step costs for "
+              "the cost model and no prediction."), "", *served, *_weights_lines(dirs)]))
     drafts = stepcosts.draft_ms(res)
     val = predict.validate(res)
     spec = costs[costs.k > 0]
     across = spec.paired_run.notna().any()  # a point paired with another run of its machine
-    lines = [f"# Speed at DeepSeek-V4-Flash's real shapes: {name}", "",
-             *_pooled_section(dirs, res),
+    lines = [title, "", *_pooled_section(dirs, res),
              ("Decode throughput (tokens after the first, per second) and speedup over plain "
              "decoding at the same batch size, mean and 95% interval over timed rounds "
              "(speedup: geometric mean of per-round ratios, round r paired with plain's round r"
@@ -167,15 +170,7 @@ def report(runs, rates=predict.PUBLISHED_EAGLE31,
                    "plain decoding pads too (B = 5 runs 8 rows), inside its measured step."),
                   "",
                   _md(table, ["B", *cols]), ""]
-    served = stepcosts.serve_costs(res)
-    if len(served):
-        lines += ["## Behind `vllm serve`", "",
-                  ("The same passes sent as B concurrent requests to `/v1/completions` (token "
-                   "ids, streaming), plain and speculative servers each on its own; speedup "
-                   "against the plain server at the same concurrency B."), "",
-                  _md(served.sort_values(["layers", "B", "k"]),
-                      ["layers", "B", "k", "al", "step_ms", "tok_s", "tok_s_lo", "tok_s_hi",
-                       "speedup", "speedup_lo", "speedup_hi", "rounds"]), ""]
+    lines += _served_lines(res)
     anatomy = stepcosts.step_anatomy(res)
     if len(anatomy):
         cols = [*CONFIG, "k", "B", *(f"{op}_{t}" for op in ("execute", "sample", "propose")
@@ -247,25 +242,57 @@ def report(runs, rates=predict.PUBLISHED_EAGLE31,
             lines += _node_section(ex, by_method, gpus, _expert_dtypes(dirs), gpu, out_dir)
     except ValueError as e:
         lines += [f"## {layers} layers", "", f"Not extrapolated: {e}.", ""]
-    mem = stepcosts.memory_check(dirs)
-    if len(mem):
-        lines += ["## Weights: estimate vs vLLM", "",
-                  ("`speclab.memory` from the config alone against each engine's `Model loading "
-                   f"took`; largest |error| {mem.error.abs().max():.1%}."), "",
-                  _md(mem, [*(["run"] if len(dirs) > 1 else []), "engine",
-                            "estimate_gib", "vllm_gib", "error"]), ""]
-    md = "\n".join(lines)
+    lines += _weights_lines(dirs)
     out_dir.mkdir(parents=True, exist_ok=True)
-    store.atomic_write(out_dir / "predict.md", md)
     plots.save(plots.speedup_vs_k(spec, val), out_dir / "figures", "speedup_vs_k",
                caption=f"{name}: measured (95% CI) and predicted speedup")
+    return _write(out_dir, name, "\n".join(lines), "figures/speedup_vs_k.png")
+
+
+def _write(out_dir: Path, name: str, md: str, figure: str | None = None) -> Path:
+    """`predict.md` and `predict.html` (with `figure` below the tables) into `out_dir`."""
+    import html
+
+    import mistune
+
+    from speclab import store
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    store.atomic_write(out_dir / "predict.md", md)
     store.atomic_write(
         out_dir / "predict.html",
         "<!doctype html><meta charset='utf-8'><title>" + html.escape(name) +
         "</title><style>body{font-family:sans-serif;max-width:75em;margin:auto}table"
         "{border-collapse:collapse}td,th{border:1px solid #ccc;padding:2px 6px}</style>"
-        + mistune.html(md) + "<img src='figures/speedup_vs_k.png' alt='speedup vs k'>")
+        + mistune.html(md) + (f"<img src='{figure}' alt='speedup vs k'>" if figure else ""))
     return out_dir / "predict.md"
+
+
+def _served_lines(res: pd.DataFrame) -> list[str]:
+    """The passes behind `vllm serve` (`stepcosts.serve_costs`) as report lines (none where
+    no serve engine ran)."""
+    served = stepcosts.serve_costs(res)
+    if served.empty:
+        return []
+    return ["## Behind `vllm serve`", "",
+            ("The same passes sent as B concurrent requests to `/v1/completions` (token "
+             "ids, streaming), plain and speculative servers each on its own; speedup "
+             "against the plain server at the same concurrency B."), "",
+            _md(served.sort_values(["layers", "B", "k"]),
+                ["layers", "B", "k", "al", "step_ms", "tok_s", "tok_s_lo", "tok_s_hi",
+                 "speedup", "speedup_lo", "speedup_hi", "rounds"]), ""]
+
+
+def _weights_lines(dirs: list[Path]) -> list[str]:
+    """`stepcosts.memory_check` as report lines (none where no engine logged its weights)."""
+    mem = stepcosts.memory_check(dirs)
+    if mem.empty:
+        return []
+    return ["## Weights: estimate vs vLLM", "",
+            ("`speclab.memory` from the config alone against each engine's `Model loading "
+             f"took`; largest |error| {mem.error.abs().max():.1%}."), "",
+            _md(mem, [*(["run"] if len(dirs) > 1 else []), "engine",
+                      "estimate_gib", "vllm_gib", "error"]), ""]
 
 
 SPREAD_DRAWS = 200

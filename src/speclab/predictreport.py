@@ -243,7 +243,6 @@ def report(runs, rates=predict.PUBLISHED_EAGLE31,
     except ValueError as e:
         lines += [f"## {layers} layers", "", f"Not extrapolated: {e}.", ""]
     lines += _weights_lines(dirs)
-    out_dir.mkdir(parents=True, exist_ok=True)
     plots.save(plots.speedup_vs_k(spec, val), out_dir / "figures", "speedup_vs_k",
                caption=f"{name}: measured (95% CI) and predicted speedup")
     return _write(out_dir, name, "\n".join(lines), "figures/speedup_vs_k.png")

@@ -859,6 +859,42 @@ def test_a_second_h100_shows_no_host_wait_at_b1_so_the_wait_was_the_machines():
     assert v.loc[(18, 3, 1), "speedup_lo"] > 1
 
 
+def test_the_fourth_h100_serves_at_the_model_while_its_offline_rounds_wait(tmp_path):
+    """The committed `timing-h100-serve` run of a fourth H100 (offline and served on one
+    machine): behind `vllm serve` k = 3 lands on the cost model of its own offline passes
+    (|error| < 3% at B = 1 and 16, each prediction inside the served interval and paired with
+    its own B), while the offline B = 1 point misses by more than 10%: its rounds spread from
+    the served step to 30% above it. The first H100's served run (the control) misses by
+    more than 15% at B = 1; a run that only served gets no model column and no such table."""
+    from pathlib import Path
+
+    from speclab import predictreport
+
+    runs = Path(__file__).resolve().parents[1] / "data/runs"
+    res = stepcosts.load(runs / "h100-realshape-20261206-vllm026-serveoffline")
+    val = predict.validate(res)
+    m = predict.served_vs_model(res, val).set_index("B")
+    v = val.set_index(["k", "B"])
+    for B in (1, 16):
+        assert m.loc[B, "pred_speedup"] == v.loc[(3, B), "pred_speedup"]
+        assert abs(m.loc[B, "error"]) < 0.03 and m.loc[B, "pred_in_ci"]
+    assert m.loc[1, "pred_speedup"] != m.loc[16, "pred_speedup"]
+    assert v.loc[(3, 1), "error"] > 0.10
+    steps = stepcosts.passes(res, 128).query("k == 3 and B == 1 and round >= 1").step_ms
+    assert steps.max() > 1.25 * m.loc[1, "step_ms"] and steps.min() < 1.01 * m.loc[1, "step_ms"]
+    first = stepcosts.load(runs / "h100-realshape-20261206-vllm026-serve18")
+    f = predict.served_vs_model(first, predict.validate(first)).set_index("B")
+    assert f.loc[1, "error"] > 0.15 and not f.loc[1, "pred_in_ci"]
+    only = stepcosts.load(runs / "h100-realshape-20261206-vllm026-serverepeat")
+    assert predict.served_vs_model(only, pd.DataFrame()).pred_speedup.isna().all()
+    src = runs / "h100-realshape-20261206-vllm026-serverepeat"
+    run = tmp_path / src.name
+    run.mkdir()
+    for name in ("results.jsonl", "engines.jsonl", "env.json"):
+        (run / name).write_bytes((src / name).read_bytes())
+    assert "Against the cost model" not in predictreport.report(run).read_text()
+
+
 def test_the_report_places_the_wait_where_the_runs_timed_the_calls_start(tmp_path):
     """A run whose split passes recorded the calls' GPU start times (`t_ms`) gets the step
     anatomy's `gap_` columns, with the wait before the target's forward; the committed run

@@ -309,6 +309,30 @@ def validate(results: pd.DataFrame, max_tokens: int = 128) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def served_vs_model(results: pd.DataFrame, validated: pd.DataFrame) -> pd.DataFrame:
+    """The speculative points behind `vllm serve` (`stepcosts.serve_costs`) beside the
+    offline point of the same layers, k and B with the default drafter (`validated`, what
+    `validate` returns): `offline_speedup`, the model's `pred_speedup` and its serial-drafter
+    bound `pred_serial_speedup`, `error` = pred / served - 1, `bracketed` (the served speedup
+    between the two) and `pred_in_ci` (the prediction inside the served speedup's 95%
+    interval); the prediction columns are NaN where no offline point ran."""
+    served = stepcosts.serve_costs(results)
+    if served.empty:
+        return served
+    served = served[served.k > 0]
+    keys = ["layers", "eager", "k", "B"]
+    cols = ["offline_speedup", "pred_speedup", "pred_serial_speedup"]
+    model = (validated[validated.draft == ""].rename(columns={"speedup": "offline_speedup"})
+             [[*keys, *cols]] if len(validated) else pd.DataFrame(columns=[*keys, *cols]))
+    out = served.merge(model, on=keys, how="left")
+    out["error"] = out.pred_speedup / out.speedup - 1
+    out["bracketed"] = [bool(s <= m <= p) if pd.notna(p) else None for s, m, p in
+                        zip(out.pred_serial_speedup, out.speedup, out.pred_speedup)]
+    out["pred_in_ci"] = [bool(lo <= p <= hi) if pd.notna(p) else None for lo, p, hi in
+                         zip(out.speedup_lo, out.pred_speedup, out.speedup_hi)]
+    return out
+
+
 BUDGET = ("verify_extra_ms", "sampling_ms", "drafter_ms", "tail_extra_ms", "idle_ms",
           "rest_ms")
 """The parts of `error_budget`, in the order they are summed."""

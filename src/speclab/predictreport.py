@@ -170,7 +170,7 @@ def report(runs, rates=predict.PUBLISHED_EAGLE31,
                    "plain decoding pads too (B = 5 runs 8 rows), inside its measured step."),
                   "",
                   _md(table, ["B", *cols]), ""]
-    lines += _served_lines(res)
+    lines += _served_lines(res, val)
     anatomy = stepcosts.step_anatomy(res)
     if len(anatomy):
         cols = [*CONFIG, "k", "B", *(f"{op}_{t}" for op in ("execute", "sample", "propose")
@@ -267,19 +267,32 @@ def _write(out_dir: Path, name: str, md: str, figure: str | None = None) -> Path
     return out_dir / "predict.md"
 
 
-def _served_lines(res: pd.DataFrame) -> list[str]:
+def _served_lines(res: pd.DataFrame, val: pd.DataFrame | None = None) -> list[str]:
     """The passes behind `vllm serve` (`stepcosts.serve_costs`) as report lines (none where
-    no serve engine ran)."""
+    no serve engine ran), with the cost model's prediction beside each speculative point
+    that also ran offline (`predict.served_vs_model` of `val`, what `predict.validate`
+    returns)."""
     served = stepcosts.serve_costs(res)
     if served.empty:
         return []
-    return ["## Behind `vllm serve`", "",
-            ("The same passes sent as B concurrent requests to `/v1/completions` (token "
-             "ids, streaming), plain and speculative servers each on its own; speedup "
-             "against the plain server at the same concurrency B."), "",
-            _md(served.sort_values(["layers", "B", "k"]),
-                ["layers", "B", "k", "al", "step_ms", "tok_s", "tok_s_lo", "tok_s_hi",
-                 "speedup", "speedup_lo", "speedup_hi", "rounds"]), ""]
+    lines = ["## Behind `vllm serve`", "",
+             ("The same passes sent as B concurrent requests to `/v1/completions` (token "
+              "ids, streaming), plain and speculative servers each on its own; speedup "
+              "against the plain server at the same concurrency B."), "",
+             _md(served.sort_values(["layers", "B", "k"]),
+                 ["layers", "B", "k", "al", "step_ms", "tok_s", "tok_s_lo", "tok_s_hi",
+                  "speedup", "speedup_lo", "speedup_hi", "rounds"]), ""]
+    model = predict.served_vs_model(res, val if val is not None else pd.DataFrame())
+    model = model.dropna(subset=["pred_speedup"]) if len(model) else model
+    if len(model):
+        lines += [("Against the cost model of the same run's offline passes (the offline "
+                   "point's `pred_speedup` and its serial-drafter bound, as in § Predicted vs "
+                   "measured; `pred_in_ci`: the prediction inside the served speedup's 95% "
+                   f"interval): largest |error| {model.error.abs().max():.1%}."), "",
+                  _md(model.sort_values(["layers", "B", "k"]),
+                      ["layers", "B", "k", "speedup", "offline_speedup", "pred_speedup",
+                       "pred_serial_speedup", "error", "bracketed", "pred_in_ci"]), ""]
+    return lines
 
 
 def _weights_lines(dirs: list[Path]) -> list[str]:

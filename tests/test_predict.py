@@ -895,6 +895,37 @@ def test_the_fourth_h100_serves_at_the_model_while_its_offline_rounds_wait(tmp_p
     assert "Against the cost model" not in predictreport.report(run).read_text()
 
 
+def test_the_serial_bound_prices_the_drafters_host_time():
+    """`pred_serial_speedup` adds the drafter's host time beyond its GPU time to the step: a
+    host time under the GPU time changes nothing, a doubled one lowers the bound, none gives
+    NaN. On the committed H200 set at 43 layers it moves EAGLE-3's best k at B = 1 from 3
+    (1.50x) to 2 (host 2.1 ms a step against 3.7 ms at k = 3)."""
+    from pathlib import Path
+
+    runs = Path(__file__).resolve().parents[1] / "data/runs"
+    res = stepcosts.load(runs / "h100-realshape-20261206-vllm026-host")
+    costs, drafts = stepcosts.step_costs(res), stepcosts.draft_ms(res)
+    rates = predict.PUBLISHED_EAGLE31
+    p = predict.predict(costs, drafts, rates)
+    timed = p.dropna(subset=["draft_host_ms", "pred_speedup"])
+    assert len(timed) and (timed.pred_serial_speedup < timed.pred_speedup).all()
+    quick = predict.predict(costs, drafts.assign(draft_host_ms=drafts.draft_ms / 2), rates)
+    assert np.allclose(quick.pred_serial_speedup, quick.pred_speedup, equal_nan=True)
+    slow = predict.predict(costs, drafts.assign(draft_host_ms=2 * drafts.draft_host_ms), rates)
+    key = timed.index
+    assert (slow.loc[key, "pred_serial_speedup"] < timed.pred_serial_speedup).all()
+    none = predict.predict(costs, drafts.assign(draft_host_ms=np.nan), rates)
+    assert none.pred_serial_speedup.isna().all() and none.pred_speedup.notna().any()
+    pooled = [runs / n for n in ("h200-realshape-20261204-vllm026-graphs",
+                                 "h200-realshape-20261205-vllm026-deeprest",
+                                 "h200-realshape-20261205-vllm026-next",
+                                 "h200-realshape-20261206-vllm026-fit24")]
+    h200 = stepcosts.load(pooled)
+    ex = layerfit.extrapolate(stepcosts.step_costs(h200), stepcosts.draft_ms(h200), rates, 43)
+    b1 = ex["prediction"].query("draft == '' and B == 1").set_index("k")
+    assert b1.pred_speedup.idxmax() == 3 and b1.pred_serial_speedup.idxmax() == 2
+
+
 def test_the_report_places_the_wait_where_the_runs_timed_the_calls_start(tmp_path):
     """A run whose split passes recorded the calls' GPU start times (`t_ms`) gets the step
     anatomy's `gap_` columns, with the wait before the target's forward; the committed run

@@ -196,7 +196,9 @@ def predict(costs: pd.DataFrame, drafts: pd.DataFrame, rates, ks=range(1, 6),
     holds for any rates. `tokens`: an offline batch of B requests generating that many tokens
     each after the first, whose last rounds run fewer requests (`batch_step`; `tail_ms` is
     what that adds a step); None: a batch whose finished requests are replaced at once
-    (serving at concurrency B)."""
+    (serving at concurrency B). `pred_serial_speedup`: the same with the drafter's host
+    time (`draft_host_ms`, where split passes timed it) serial to the verify step, the bound
+    for a host that cannot run ahead of the GPU; NaN without a host time."""
     rows = []
     for (layers, eager), _ in costs.groupby(["layers", "eager"]):
         curve = plain_curve(costs, layers, eager)
@@ -221,15 +223,19 @@ def predict(costs: pd.DataFrame, drafts: pd.DataFrame, rates, ks=range(1, 6),
                                 - verify - draft_ms - sample)
                     step = verify + draft_ms + sample + tail
                     al = acceptance_length(rate, k)
+                    host = drafter_at(db, k, "draft_host_ms")
                     rows.append({"layers": layers, "eager": eager, "draft": draft, "k": k,
                                  "B": B, "al": al, "verify_rows": n, "verify_ms": verify,
                                  "draft_ms": draft_ms, "sample_extra_ms": sample,
                                  "tail_ms": tail,
                                  "pred_step_ms": step,
-                                 "draft_host_ms": drafter_at(db, k, "draft_host_ms"),
+                                 "draft_host_ms": host,
                                  "drafter_scaled": drafter_scaled(db, k),
                                  "pred_tok_s": 1e3 * B * al / step,
                                  "pred_speedup": al * t0 / step,
+                                 "pred_serial_speedup": al * t0 / (step - draft_ms
+                                                                   + max(host, draft_ms))
+                                 if pd.notna(host) else float("nan"),
                                  "al_needed": step / t0})
     out = pd.DataFrame(rows)
     if len(out):
@@ -291,8 +297,6 @@ def validate(results: pd.DataFrame, max_tokens: int = 128) -> pd.DataFrame:
         if p.empty:
             continue
         q = p.iloc[0]
-        serial = q.pred_speedup * q.pred_step_ms / (q.pred_step_ms - q.draft_ms
-                                                    + max(q.draft_host_ms, q.draft_ms))
         rows.append({**r.to_dict(), "pred_step_ms": q.pred_step_ms, "draft_ms": q.draft_ms,
                      "sample_extra_ms": q.sample_extra_ms,
                      "verify_ms": q.verify_ms, "pred_tail_ms": q.tail_ms,
@@ -303,8 +307,8 @@ def validate(results: pd.DataFrame, max_tokens: int = 128) -> pd.DataFrame:
                      / r.speedup - 1,
                      "error_no_sample": mine(tokens=tokens, drafts=drafts.assign(
                          sample_extra_ms=np.nan)).pred_speedup.iloc[0] / r.speedup - 1,
-                     "pred_serial_speedup": serial,
-                     "bracketed": bool(serial <= r.speedup <= q.pred_speedup)
+                     "pred_serial_speedup": q.pred_serial_speedup,
+                     "bracketed": bool(q.pred_serial_speedup <= r.speedup <= q.pred_speedup)
                      if pd.notna(q.draft_host_ms) else None})
     return pd.DataFrame(rows)
 

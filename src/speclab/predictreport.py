@@ -227,15 +227,19 @@ def report(runs, rates=predict.PUBLISHED_EAGLE31,
                   f"{ex['drafts_from_layers']}-layer run. Requests replaced as they finish (serving at concurrency B; "
                   "an offline batch also pays its tail, `pred_tail_ms` above). `al_needed`: "
                   "the acceptance length at which k breaks even at B, for any draft of that "
-                  "drafter cost (a draft whose AL is below it slows decoding). One GPU, TP 1"
+                  "drafter cost (a draft whose AL is below it slows decoding). "
+                  "`pred_serial_speedup`: the same with the drafter's host time "
+                  "(`draft_host_ms`, from the split passes) serial to the verify step, what a "
+                  "host that cannot run ahead of the GPU leaves (`predict.predict`). One GPU, "
+                  "TP 1"
                   + (f"; the next section says what a TP {gpus} + EP node changes." if gpus > 1
                      else ".")), "",
                   _md(ex["fit"], ["n", "a_ms", "b_ms_per_layer", "resolved"]), "",
                   _md(ex["prediction"], ["draft", "B", "k", "al", "verify_rows", "verify_ms",
                                          "draft_ms", "sample_extra_ms", "drafter_scaled",
-                                         "pred_step_ms",
-                                         "pred_tok_s", "pred_speedup", "al_needed",
-                                         "best"]),
+                                         "pred_step_ms", "pred_tok_s", "pred_speedup",
+                                         "draft_host_ms", "pred_serial_speedup",
+                                         "al_needed", "best"]),
                   "", *_spread_lines(costs, drafts, by_method, layers)]
         if gpus > 1:
             gpu = provenance.gpu_env(run_dir).get("gpu")  # pooled runs share one model

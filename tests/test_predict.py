@@ -868,12 +868,10 @@ def test_the_fourth_h100_serves_at_the_model_while_its_offline_rounds_wait(tmp_p
     more than 15% at B = 1; a run that only served gets no model column and no such table."""
     from pathlib import Path
 
-    from speclab import predictreport
-
     runs = Path(__file__).resolve().parents[1] / "data/runs"
     res = stepcosts.load(runs / "h100-realshape-20261206-vllm026-serveoffline")
     val = predict.validate(res)
-    m = predict.served_vs_model(res, val).set_index("B")
+    m = predict.served_vs_model(stepcosts.serve_costs(res), val).set_index("B")
     v = val.set_index(["k", "B"])
     for B in (1, 16):
         assert m.loc[B, "pred_speedup"] == v.loc[(3, B), "pred_speedup"]
@@ -883,16 +881,14 @@ def test_the_fourth_h100_serves_at_the_model_while_its_offline_rounds_wait(tmp_p
     steps = stepcosts.passes(res, 128).query("k == 3 and B == 1 and round >= 1").step_ms
     assert steps.max() > 1.25 * m.loc[1, "step_ms"] and steps.min() < 1.01 * m.loc[1, "step_ms"]
     first = stepcosts.load(runs / "h100-realshape-20261206-vllm026-serve18")
-    f = predict.served_vs_model(first, predict.validate(first)).set_index("B")
+    f = predict.served_vs_model(stepcosts.serve_costs(first),
+                                predict.validate(first)).set_index("B")
     assert f.loc[1, "error"] > 0.15 and not f.loc[1, "pred_in_ci"]
-    only = stepcosts.load(runs / "h100-realshape-20261206-vllm026-serverepeat")
-    assert predict.served_vs_model(only, pd.DataFrame()).pred_speedup.isna().all()
     src = runs / "h100-realshape-20261206-vllm026-serverepeat"
-    run = tmp_path / src.name
-    run.mkdir()
-    for name in ("results.jsonl", "engines.jsonl", "env.json"):
-        (run / name).write_bytes((src / name).read_bytes())
-    assert "Against the cost model" not in predictreport.report(run).read_text()
+    only = stepcosts.serve_costs(stepcosts.load(src))
+    assert predict.served_vs_model(only, pd.DataFrame()).pred_speedup.isna().all()
+    md = predictreport.report(src, out_dir=tmp_path / "report").read_text()
+    assert "Against the cost model" not in md
 
 
 def test_the_serial_bound_prices_the_drafters_host_time():

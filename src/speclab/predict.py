@@ -313,14 +313,13 @@ def validate(results: pd.DataFrame, max_tokens: int = 128) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def served_vs_model(results: pd.DataFrame, validated: pd.DataFrame) -> pd.DataFrame:
-    """The speculative points behind `vllm serve` (`stepcosts.serve_costs`) beside the
-    offline point of the same layers, k and B with the default drafter (`validated`, what
-    `validate` returns): `offline_speedup`, the model's `pred_speedup` and its serial-drafter
-    bound `pred_serial_speedup`, `error` = pred / served - 1, `bracketed` (the served speedup
-    between the two) and `pred_in_ci` (the prediction inside the served speedup's 95%
-    interval); the prediction columns are NaN where no offline point ran."""
-    served = stepcosts.serve_costs(results)
+def served_vs_model(served: pd.DataFrame, validated: pd.DataFrame) -> pd.DataFrame:
+    """The speculative points behind `vllm serve` (`served`, what `stepcosts.serve_costs`
+    returns) beside the offline point of the same layers, k and B with the default drafter
+    (`validated`, what `validate` returns): `offline_speedup`, the model's `pred_speedup` and
+    its serial-drafter bound `pred_serial_speedup`, `error` = pred / served - 1, `bracketed`
+    (the served speedup between the two) and `pred_in_ci` (the prediction inside the served
+    speedup's 95% interval); the prediction columns are NaN where no offline point ran."""
     if served.empty:
         return served
     served = served[served.k > 0]

@@ -74,7 +74,7 @@ def report(runs, rates=predict.PUBLISHED_EAGLE31,
     costs = stepcosts.step_costs(res)
     title = f"# Speed at DeepSeek-V4-Flash's real shapes: {name}"
     if costs.empty:
-        served = _served_lines(res)
+        served = _served_lines(res, pd.DataFrame())
         if not served:
             raise ValueError(f"{run_dir}: no timed pass (round >= 1) yet; round 0 is the "
                              "warm-up")
@@ -271,11 +271,11 @@ def _write(out_dir: Path, name: str, md: str, figure: str | None = None) -> Path
     return out_dir / "predict.md"
 
 
-def _served_lines(res: pd.DataFrame, val: pd.DataFrame | None = None) -> list[str]:
+def _served_lines(res: pd.DataFrame, val: pd.DataFrame) -> list[str]:
     """The passes behind `vllm serve` (`stepcosts.serve_costs`) as report lines (none where
     no serve engine ran), with the cost model's prediction beside each speculative point
     that also ran offline (`predict.served_vs_model` of `val`, what `predict.validate`
-    returns)."""
+    returns; empty where nothing ran offline)."""
     served = stepcosts.serve_costs(res)
     if served.empty:
         return []
@@ -286,8 +286,7 @@ def _served_lines(res: pd.DataFrame, val: pd.DataFrame | None = None) -> list[st
              _md(served.sort_values(["layers", "B", "k"]),
                  ["layers", "B", "k", "al", "step_ms", "tok_s", "tok_s_lo", "tok_s_hi",
                   "speedup", "speedup_lo", "speedup_hi", "rounds"]), ""]
-    model = predict.served_vs_model(res, val if val is not None else pd.DataFrame())
-    model = model.dropna(subset=["pred_speedup"]) if len(model) else model
+    model = predict.served_vs_model(served, val).dropna(subset=["pred_speedup"])
     if len(model):
         lines += [("Against the cost model of the same run's offline passes (the offline "
                    "point's `pred_speedup` and its serial-drafter bound, as in § Predicted vs "

@@ -16,7 +16,7 @@ import pytest
 
 from speclab import benchplans as P
 from speclab import benchworker as W
-from speclab import cudagraphs, memory, steptiming, store, vllm_plugins
+from speclab import cudagraphs, hostwatch, memory, steptiming, store, vllm_plugins
 from speclab import gpubench as G
 from speclab import mhcwarm as M
 from speclab.fixtures import realshape, repeat_loader
@@ -63,6 +63,10 @@ def test_drive_interleaves_checks_and_resumes(tmp_path, fake_pair):
     assert {e["engine"] for e in eng} == {"L4-k0-graphs", "L4-k3-graphs"}
     assert any("MARLIN" in f for e in eng for f in e["log_facts"])
     assert eng[1]["resolved"]["speculative"] == {"method": "eagle3", "k": 3}
+    # the host was sampled all along, and each pass reads it over its own greedy window
+    host = store.read_jsonl(state / "host.jsonl")
+    assert host and all(r["t_full_start"] <= time.time() for r in rows)
+    assert len(hostwatch.per_pass(host, rows)) > len(rows) / 2
     n = len(rows)
     G.drive(state, time.time() + 300, "smoke", 2, paths=fake_pair)  # nothing left to do
     assert len((state / "results.jsonl").read_text().splitlines()) == n

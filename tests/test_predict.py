@@ -381,9 +381,40 @@ def test_report_writes_tables_figure_and_html(tmp_path):
     md = predictreport.report(run).read_text()
     assert "Predicted vs measured" in md and "43 layers" in md and "largest |error|" in md
     assert "A depth held out" not in md  # two depths: the fit needs both
+    assert "## The host during the timed passes" not in md  # no host.jsonl: no section
     # this law's per-layer step is 0.3 ms whatever the batch: no experts' part to carry to a node
     assert "## On a TP 8 + EP node\n\nNot computed: the per-layer step does not grow" in md
     assert (run / "figures" / "speedup_vs_k.png").exists() and (run / "predict.html").exists()
+
+
+def test_report_sets_a_stalled_round_beside_the_host_that_stalled_it(tmp_path):
+    """Passes back to back in time, the host sampled every second beside them (as `gpubench`
+    writes `host.jsonl`); in round 2 of k = 3 at B = 1 a neighbour took three cores and the
+    step ran 20% long: that row shows both, the other rounds of the engine neither."""
+    import json
+
+    res = rows(layers=(4, 8), rounds=3)
+    stalled = (res.engine == "L4-k3") & (res["round"] == 2) & (res.B == 1)
+    res.loc[stalled, "t_full_s"] = 0.01 + 1.2 * (res.loc[stalled, "t_full_s"] - 0.01)
+    res["t_full_start"] = 1000.0 + (res.t_full_s + 0.5).cumsum().shift(fill_value=0)
+    a = res.loc[stalled, "t_full_start"].iloc[0]
+    b = a + res.loc[stalled, "t_full_s"].iloc[0]
+    end = (res.t_full_start + res.t_full_s).max()
+    host = [{"t": t, "dt": 1.0, "busy": 1.0 + 3.0 * (a < t and t - 1 < b), "iowait": 0.0,
+             "steal": 0.0, "load1": 1.0,
+             "top": [[9, "VLLM::EngineCore", 1.0, 0]]
+             + ([[77, "neighbour", 3.0, 4]] if a < t and t - 1 < b else [])}
+            for t in np.arange(1001.0, end + 2)]
+    (tmp_path / "results.jsonl").write_text(res.to_json(orient="records", lines=True))
+    (tmp_path / "host.jsonl").write_text("".join(json.dumps(h) + "\n" for h in host))
+    md = predictreport.report(tmp_path).read_text()
+    section = md.split("## The host during the timed passes")[1].split("\n## ")[0]
+    k3 = [line.split(" | ") for line in section.splitlines() if line.startswith("L4-k3 | 1 | 3 |")]
+    assert [int(r[3]) for r in k3] == [1, 2, 3]
+    by_round = {int(r[3]): r for r in k3}
+    assert float(by_round[2][5]) > 1.1 and "neighbour" in by_round[2][-1]
+    assert all(float(by_round[r][5]) < 1.05 and "neighbour" not in by_round[r][-1]
+               for r in (1, 3))
 
 
 def test_report_refuses_a_run_without_timed_rounds(tmp_path):

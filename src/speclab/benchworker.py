@@ -149,10 +149,12 @@ def worker(spec: dict, out_fd: int) -> int:
     k = spec["k"]
     draft_succ = _draft_successors(spec, succ)
     timing = Path(spec["timing_dir"])
+    starts: list[float] = []
 
     def gen(prompts, n):
         sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=False)
         c0 = metrics.from_snapshot(llm.get_metrics())
+        starts.append(time.time())  # the window `speclab.hostwatch` reads the host in
         g0 = time.perf_counter()
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
         dt = time.perf_counter() - g0
@@ -172,7 +174,8 @@ def worker(spec: dict, out_fd: int) -> int:
             tn, outs, c = gen(prompts, n)
             exact = sum(list(o.outputs[0].token_ids) == realshape.greedy(succ, p, n)
                         for o, p in zip(outs, prompts))
-            msg = {"op": "pass", "t_prefill_s": t1, "t_full_s": tn, "counters": c,
+            msg = {"op": "pass", "t_prefill_s": t1, "t_full_s": tn, "t_full_start": starts[-1],
+                   "counters": c,
                    "outputs_exact": exact, "jit_compiled": jit_since(log_path, offset),
                    "prompt_tokens": sum(map(len, prompts)),
                    "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs)}
@@ -183,10 +186,12 @@ def worker(spec: dict, out_fd: int) -> int:
             before = len(steptiming.read(timing))
             (timing / steptiming.FLAG).touch()
             tn, _, c = gen(prompts, n)
+            t_start = starts[-1]
             (timing / steptiming.FLAG).unlink()
             gen(prompts[:1], 2)  # the next drafter call writes the recorded events out
             calls = steptiming.read(timing)[before:]
-            say({"op": "split", "t_full_s": tn, "counters": c, "calls": calls})
+            say({"op": "split", "t_full_s": tn, "t_full_start": t_start, "counters": c,
+                 "calls": calls})
         else:  # the driver would wait for an answer that never comes
             raise ValueError(f"an offline engine has no op {cmd['op']!r}")
     return 0
@@ -224,6 +229,7 @@ def serve_worker(spec: dict, say) -> int:
         import httpx
 
         version = httpx.get(f"{url}/version", timeout=10).json().get("version")
+        starts: list[float] = []
         say({"op": "ready", "engine_init_s": round(time.perf_counter() - t0, 1),
              "vllm": version, "resolved": {"serve": url}})
 
@@ -231,7 +237,9 @@ def serve_worker(spec: dict, say) -> int:
             reqs = [server.request_body(P.Prompt(id=str(i), category="realshape",
                                                  prompt_token_ids=tuple(p)), "raw", n, 0.0, True)
                     for i, p in enumerate(ids)]
-            c0, g0 = server.scrape(url), time.perf_counter()
+            c0 = server.scrape(url)
+            starts.append(time.time())
+            g0 = time.perf_counter()
             out = server.run_async(server.drive(url, reqs, concurrency=len(reqs)))
             dt = time.perf_counter() - g0
             return dt, out, (server.scrape(url) - c0).to_dict()
@@ -247,7 +255,8 @@ def serve_worker(spec: dict, say) -> int:
             ids = batch_prompts(B, cmd["seed"], k, n)
             t1, _, _ = gen(ids, 1)
             tn, outs, c = gen(ids, n)
-            msg = {"op": "serve", "t_prefill_s": t1, "t_full_s": tn, "counters": c,
+            msg = {"op": "serve", "t_prefill_s": t1, "t_full_s": tn, "t_full_start": starts[-1],
+                   "counters": c,
                    "outputs_exact": sum(o["output_token_ids"] == realshape.greedy(succ, p, n)
                                         for o, p in zip(outs, ids)),
                    "jit_compiled": jit_since(log_path, offset),

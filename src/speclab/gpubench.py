@@ -20,7 +20,8 @@ each speculative engine runs one `split` pass per batch size with `speclab.stept
 Every pass appends one JSON line to DIR/results.jsonl (counters, the expectation from
 `realshape.expected_counters`, whether each output equals the target's known greedy tokens,
 wall times, and the kernels vLLM's jit_monitor saw compiled during the pass: a timed pass
-with any is not a clean timing); engines' resolved settings and log facts go to DIR/engines.jsonl. A rerun skips
+with any is not a clean timing); engines' resolved settings and log facts go to DIR/engines.jsonl;
+the host's CPU time, sampled every second, to DIR/host.jsonl (`speclab.hostwatch`). A rerun skips
 what is there, so a driver cut short resumes. Each worker is `speclab.benchworker`; `--warm N`
 first compiles the mHC kernels in N `speclab.mhcwarm` processes. Analysis: `speclab.predict`.
 """
@@ -38,7 +39,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from speclab import gpus
+from speclab import gpus, hostwatch
 from speclab.benchplans import PLANS, REPEAT_ABOVE, Engine
 from speclab.benchworker import (
     MAX_MODEL_LEN,
@@ -230,9 +231,11 @@ def drive(state: Path, deadline: float, plan_name: str, rounds: int,
     state.mkdir(parents=True, exist_ok=True)
     with open(state / "driver.log", "a") as fh:
         handlers = _log_to(fh)
+        watch = hostwatch.Watch(state / "host.jsonl").start()
         try:
             return _drive(state, deadline, plan_name, rounds, paths, fh, warm_procs, tokens)
         finally:
+            watch.stop()
             for h in handlers:
                 LOG.removeHandler(h)
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from speclab import cudagraphs, layerfit, nodecost, paths, predict, provenance, stepcosts
+from speclab import cudagraphs, hostwatch, layerfit, nodecost, paths, predict, provenance, stepcosts
 from speclab.predict import MOE
 from speclab.stepcosts import CONFIG
 
@@ -246,7 +246,7 @@ def report(runs, rates=predict.PUBLISHED_EAGLE31,
             lines += _node_section(ex, by_method, gpus, _expert_dtypes(dirs), gpu, out_dir)
     except ValueError as e:
         lines += [f"## {layers} layers", "", f"Not extrapolated: {e}.", ""]
-    lines += _weights_lines(dirs)
+    lines += [*_host_lines(dirs, res), *_weights_lines(dirs)]
     plots.save(plots.speedup_vs_k(spec, val), out_dir / "figures", "speedup_vs_k",
                caption=f"{name}: measured (95% CI) and predicted speedup")
     return _write(out_dir, name, "\n".join(lines), "figures/speedup_vs_k.png")
@@ -296,6 +296,34 @@ def _served_lines(res: pd.DataFrame, val: pd.DataFrame) -> list[str]:
                       ["layers", "B", "k", "speedup", "offline_speedup", "pred_speedup",
                        "pred_serial_speedup", "error", "bracketed", "pred_in_ci"]), ""]
     return lines
+
+
+def _host_lines(dirs: list[Path], res: pd.DataFrame) -> list[str]:
+    """The timed offline passes at the batch sizes a speculative engine ran, each beside what
+    the host did during its greedy window (`speclab.hostwatch`); none where the runs have no
+    host samples."""
+    host = stepcosts.host_samples(dirs)
+    if not host or "t_full_start" not in res:
+        return []
+    timed = stepcosts.passes(res)
+    timed = timed[timed.B.isin(timed[timed.k > 0].B) & timed.t_full_start.notna()].copy()
+    timed["vs_median"] = timed.step_ms / timed.groupby(["run", "engine", "B"]).step_ms.transform(
+        "median")
+    per = pd.DataFrame(hostwatch.per_pass(host, timed.to_dict("records"),
+                                          keys=("engine", "B", "k", "round", "step_ms",
+                                                "vs_median")))
+    if per.empty:
+        return []
+    return ["## The host during the timed passes", "",
+            ("Each timed pass at a batch size a speculative engine ran, its step time against "
+             "its engine's median at that B (`vs_median`), beside what the machine's CPUs did "
+             "in its greedy window (`speclab.hostwatch`, sampled every second, averaged over "
+             "the samples it overlaps): cores busy, waiting on I/O and stolen by the "
+             "hypervisor (`steal`), the 1-minute load and the three busiest commands (cores). "
+             "A stalled round beside a busy neighbour or stolen time is the host's."), "",
+            _md(per.sort_values(["B", "k", "engine", "round"]),
+                ["engine", "B", "k", "round", "step_ms", "vs_median", "busy", "iowait",
+                 "steal", "load1", "top"]), ""]
 
 
 def _weights_lines(dirs: list[Path]) -> list[str]:

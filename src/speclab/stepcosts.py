@@ -56,6 +56,15 @@ def engines(runs) -> list[dict]:
             for path in sorted(d.rglob("engines.jsonl")) for e in read_jsonl(path)]
 
 
+def host_samples(runs) -> list[dict]:
+    """The host's CPU samples of one gpubench run or several (`host.jsonl` in each folder or
+    below it, `speclab.hostwatch`; [] for runs from before 2026-12-06's seventh session)."""
+    from speclab.store import read_jsonl
+
+    return [h for d in run_dirs(runs) for path in sorted(d.rglob("host.jsonl"))
+            for h in read_jsonl(path)]
+
+
 def load(runs) -> pd.DataFrame:
     """Every pass of one gpubench run or several (all calls: `results.jsonl` in each folder
     or below it), with its run's folder name (`run`: passes pair, and are kept once, within

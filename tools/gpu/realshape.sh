@@ -52,7 +52,7 @@ start)
 collect)
   end=$(( T0 + ${2:?seconds} ))
   while [ "$(date +%s)" -lt "$end" ] && pgrep -f "speclab.gpubench drive" >/dev/null; do sleep 5; done
-  cp "$STATE"/results.jsonl "$STATE"/engines.jsonl "$STATE"/driver.log "$STATE"/env.json "$OUT"/ 2>/dev/null
+  cp "$STATE"/results.jsonl "$STATE"/engines.jsonl "$STATE"/driver.log "$STATE"/env.json "$STATE"/host.jsonl "$OUT"/ 2>/dev/null
   tail -n 200 "$STATE/daemon.out" > "$OUT/daemon.out" 2>/dev/null
   (cd "$STATE" && tar czf "$OUT/logs.tar.gz" logs steptiming 2>/dev/null)
   if [ "${3:-}" = jit ]; then

@@ -562,3 +562,9 @@ def test_serve_engines_time_passes_behind_an_http_server(tmp_path, fake_pair, mo
     assert set(zip(served.k, served.B)) == {(0, 1), (0, 4), (3, 1), (3, 4)}
     assert served[served.k == 3].speedup.notna().all()
     assert stepcosts.step_costs(stepcosts.load(state)).empty  # no offline pass among them
+    # the served passes beside the host samples of their windows, in the served-only report
+    from speclab import predictreport
+
+    host = predictreport.report(state).read_text().split("## The host during")[1]
+    assert {line.split(" | ")[0] for line in host.splitlines()
+            if "-serve |" in line} == set(names)

@@ -81,7 +81,8 @@ def report(runs, rates=predict.PUBLISHED_EAGLE31,
         return _write(out_dir, name, "\n".join(
             [title, "", *_pooled_section(dirs, res),
              ("Only engines behind `vllm serve` ran: no offline pass, so no step costs for "
-              "the cost model and no prediction."), "", *served, *_weights_lines(dirs)]))
+              "the cost model and no prediction."), "", *served, *_host_lines(dirs, res),
+             *_weights_lines(dirs)]))
     drafts = stepcosts.draft_ms(res)
     val = predict.validate(res)
     spec = costs[costs.k > 0]
@@ -299,13 +300,13 @@ def _served_lines(res: pd.DataFrame, val: pd.DataFrame) -> list[str]:
 
 
 def _host_lines(dirs: list[Path], res: pd.DataFrame) -> list[str]:
-    """The timed offline passes at the batch sizes a speculative engine ran, each beside what
-    the host did during its greedy window (`speclab.hostwatch`); none where the runs have no
-    host samples."""
+    """The timed passes, offline and behind `vllm serve` (engines named `-serve`), at the
+    batch sizes a speculative engine ran, each beside what the host did during its greedy
+    window (`speclab.hostwatch`); none where the runs have no host samples."""
     host = stepcosts.host_samples(dirs)
     if not host or "t_full_start" not in res:
         return []
-    timed = stepcosts.passes(res)
+    timed = stepcosts.passes(res.assign(op=res.op.replace("serve", "pass")))
     timed = timed[timed.B.isin(timed[timed.k > 0].B) & timed.t_full_start.notna()].copy()
     timed["vs_median"] = timed.step_ms / timed.groupby(["run", "engine", "B"]).step_ms.transform(
         "median")
@@ -315,7 +316,8 @@ def _host_lines(dirs: list[Path], res: pd.DataFrame) -> list[str]:
     if per.empty:
         return []
     return ["## The host during the timed passes", "",
-            ("Each timed pass at a batch size a speculative engine ran, its step time against "
+            ("Each timed pass (offline, and behind `vllm serve` where an engine's name ends "
+             "in `-serve`) at a batch size a speculative engine ran, its step time against "
              "its engine's median at that B (`vs_median`), beside what the machine's CPUs did "
              "in its greedy window (`speclab.hostwatch`, sampled every second, averaged over "
              "the samples it overlaps): cores busy, waiting on I/O and stolen by the "

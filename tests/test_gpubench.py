@@ -209,6 +209,9 @@ def test_the_h100_plan_fits_one_engine_at_a_time():
     assert [e for e in served if not e.serve] == h100
     assert len(G.pack_groups(served, weights, G.CAPACITY * 79.6, 2.5)) == 7
     assert P.PLANS["serve-h100"]() == [e for e in served if e.serve]  # the served pair alone
+    k3 = P.PLANS["timing-h100-serve-k3"]()  # offline and served k = 3, plain at its rows only
+    assert [e.name for e in k3] == [served[i].name for i in (0, 1, 2, 3)]
+    assert k3[0].extra_batches == (4, 64) and all(e.layers == 18 for e in k3)
     host = [e.name for e in P.PLANS["timing-h100-host"]()]  # k = 1, then the shallow pair
     assert host == ["L18-k0-graphs", "L18-k1-graphs", "L12-k0-graphs", "L12-k3-graphs",
                     "L18-k3-graphs"]

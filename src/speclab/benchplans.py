@@ -302,6 +302,12 @@ PLANS = {**{f"timing-{v}": (lambda v=v: timing_plan(v)) for v in DRAFT_VARIANTS}
          "smoke-mtp-jit-cold": lambda: [*smoke_mtp_plan(), *jit_cold_plan()],
          "serve-deep": lambda: [Engine(32, 0, batches=(1, 16), serve=True),
                                 Engine(32, 3, batches=(1, 16), serve=True)],
+         # offline and served k = 3 alone, plain at k = 3's verify rows (~11 min): does the
+         # offline engine stall where the served one does not, and what was the host doing?
+         "timing-h100-serve-k3": lambda: [
+             Engine(18, 0, batches=(1, 16), extra_batches=verify_batches((1, 16), (3,))),
+             Engine(18, 3, batches=(1, 16)),
+             *(Engine(18, k, batches=(1, 16), serve=True) for k in (0, 3))],
          # `timing-h100-serve`'s served pair alone (~8 min): was serve18's 1.16× its host?
          "serve-h100": lambda: [e for e in h100_serve_plan() if e.serve],
          "serve-smoke": lambda: [Engine(4, 0, batches=(1, 4), serve=True),

@@ -49,6 +49,9 @@ def _read(path: str) -> str | None:
 
 
 def snapshot() -> tuple[float, dict[str, int], dict[int, tuple[str, int, int]]]:
+    """(time, the machine's ticks by kind, {pid: `parse_pid_stat`}): about 0.02 ms of one
+    core a process (1.3 ms for 72 on the 2-core machine), so a second's sample of a GPU
+    machine's few hundred processes costs about 1% of one of its cores."""
     procs = {}
     for name in os.listdir("/proc"):
         if name.isdigit() and (text := _read(f"/proc/{name}/stat")):

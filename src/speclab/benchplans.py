@@ -197,11 +197,13 @@ def final_plan(layers: int = 32, shallow: int = 24) -> list[Engine]:
     the last engines): EAGLE-3 k = 4 at B = 1, 4, 16 with all its rounds and split passes (2-3
     rounds so far, the one k short of five), after plain at B = 1, 4, 16 and the rows of its
     verify graphs (5, 20, 80); then plain at `shallow` layers at every row count a B = 1 or 4
-    verify step runs below 16 (the layer fit's 24-layer points, 2 rounds on 2026-12-06)."""
+    verify step runs below 16 (the layer fit's 24-layer points, 2 rounds on 2026-12-06) and
+    at B = 16's k = 4 and 5 rows (80, 96: the 43-layer prediction has none there yet)."""
     plain = Engine(layers, 0, batches=(1, 4, 16), extra_batches=verify_batches((1, 4, 16), (4,)))
     small = tuple(n for n in verify_batches((1, 4), range(1, 6)) if n < 16)
     return [plain, Engine(layers, 4, batches=(1, 4, 16)),
-            Engine(shallow, 0, batches=(1, 4, 16), extra_batches=small)]
+            Engine(shallow, 0, batches=(1, 4, 16),
+                   extra_batches=(*small, *verify_batches((16,), (4, 5))))]
 
 
 def held_depth_plan(layers: int = 36) -> list[Engine]:

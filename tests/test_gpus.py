@@ -17,6 +17,8 @@ case "$*" in
     printf 'NVIDIA H200\\nNVIDIA H200\\n' ;;
   "--query-gpu=memory.total,memory.used --format=csv,noheader,nounits")
     printf '143771, 5120\\n143771, 0\\n' ;;
+  "--query-gpu=clocks.sm,power.draw,temperature.gpu,clocks_event_reasons.active --format=csv,noheader,nounits")
+    printf '1755, 612.30, 58, 0x0000000000000004\\n1980, 80.10, 40, 0x0000000000000001\\n' ;;
   *) echo "unexpected arguments: $*" >&2; exit 9 ;;
 esac
 """
@@ -26,7 +28,7 @@ def _path_with(tmp_path: Path, body: str | None) -> str:
     """PATH holding only a folder with `body` as nvidia-smi (None: no nvidia-smi at all) and
     the shell it runs on."""
     bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
+    bin_dir.mkdir(parents=True)
     if body is not None:
         smi = bin_dir / "nvidia-smi"
         smi.write_text(body)
@@ -79,3 +81,23 @@ def test_a_failing_nvidia_smi_reads_as_no_gpu_but_memory_raises(tmp_path, monkey
     assert gpus.names() == [] and gpus.visible_count() == 0
     with pytest.raises(Exception, match="returned non-zero exit status 9"):
         gpus.memory_gib()
+
+
+def test_clocks_power_and_event_reasons_of_each_gpu(two_h200):
+    """The host sampler's GPU reading: the first H200 power-capped (0x4) at 1,755 MHz."""
+    assert gpus.clocks() == {"sm_mhz": 1755.0, "power_w": 612.3, "temp_c": 58.0,
+                             "reasons": "0x0000000000000004"}
+    assert gpus.clocks(1)["reasons"] == "0x0000000000000001" and gpus.clocks(2) is None
+
+
+def test_clocks_on_a_driver_without_event_reasons_and_on_none(tmp_path, monkeypatch):
+    """A driver that refuses the event-reasons field still gives clocks, power and
+    temperature; a field it cannot read, or no nvidia-smi, gives None."""
+    older = ('#!/bin/sh\ncase "$*" in *clocks_event_reasons*) exit 2 ;; esac\n'
+             "printf '1410, 300.5, 45\\n'\n")
+    monkeypatch.setenv("PATH", _path_with(tmp_path / "a", older))
+    assert gpus.clocks() == {"sm_mhz": 1410.0, "power_w": 300.5, "temp_c": 45.0}
+    monkeypatch.setenv("PATH", _path_with(tmp_path / "b", "#!/bin/sh\nprintf '[N/A], 1, 2, 0x0\\n'\n"))
+    assert gpus.clocks() is None
+    monkeypatch.setenv("PATH", _path_with(tmp_path / "c", None))
+    assert gpus.clocks() is None

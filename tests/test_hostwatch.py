@@ -75,3 +75,33 @@ def test_a_pass_takes_the_samples_it_overlaps_weighted_by_the_overlap():
     (row,) = H.per_pass(host, rows)
     assert (row["busy"], row["steal"], row["covered_s"]) == (2.0, 0.5, 1.0)
     assert row["top"] == "drafter 1.00, neighbour 1.00"
+
+
+def test_the_gpu_is_sampled_where_there_is_one_and_read_per_pass(tmp_path, monkeypatch):
+    """With a GPU (a stand-in nvidia-smi on PATH) each sample carries its clock, power and
+    temperature, and a pass reads their mean and every non-zero clock-event reason over its
+    window; without one (the control) samples and passes have no GPU fields."""
+    from test_gpus import SMI, _path_with
+
+    monkeypatch.setenv("PATH", _path_with(tmp_path / "gpu", SMI))
+    watch = H.Watch(tmp_path / "host.jsonl", interval=0.2).start()
+    time.sleep(0.7)
+    watch.stop()
+    rows = store.read_jsonl(tmp_path / "host.jsonl")
+    assert rows and all(r["gpu"]["sm_mhz"] == 1755.0 for r in rows)
+    host = [{"t": t, "dt": 1.0, "busy": 1.0, "iowait": 0.0, "steal": 0.0, "load1": 1.0,
+             "top": [], "gpu": {"sm_mhz": mhz, "power_w": 700.0, "temp_c": 60.0,
+                                "reasons": reasons}}
+            for t, mhz, reasons in ((11.0, 1980.0, "0x0000000000000000"),
+                                    (12.0, 1500.0, "0x0000000000000004"))]
+    pas = {"engine": "e", "op": "pass", "round": 1, "B": 16, "k": 3, "t_full_start": 10.0,
+           "t_full_s": 2.0}
+    (row,) = H.per_pass(host, [pas])
+    assert row["sm_mhz"] == 1740.0 and row["clock_events"] == "0x0000000000000004"
+    (cpu_only,) = H.per_pass([{k: v for k, v in h.items() if k != "gpu"} for h in host], [pas])
+    assert "sm_mhz" not in cpu_only and "clock_events" not in cpu_only
+    monkeypatch.setenv("PATH", _path_with(tmp_path / "none", None))
+    watch = H.Watch(tmp_path / "cpu.jsonl", interval=0.2).start()
+    time.sleep(0.5)
+    watch.stop()
+    assert not any("gpu" in r for r in store.read_jsonl(tmp_path / "cpu.jsonl"))

@@ -403,7 +403,9 @@ def test_report_sets_a_stalled_round_beside_the_host_that_stalled_it(tmp_path):
     host = [{"t": t, "dt": 1.0, "busy": 1.0 + 3.0 * (a < t and t - 1 < b), "iowait": 0.0,
              "steal": 0.0, "load1": 1.0,
              "top": [[9, "VLLM::EngineCore", 1.0, 0]]
-             + ([[77, "neighbour", 3.0, 4]] if a < t and t - 1 < b else [])}
+             + ([[77, "neighbour", 3.0, 4]] if a < t and t - 1 < b else []),
+             "gpu": {"sm_mhz": 1980.0, "power_w": 500.0, "temp_c": 50.0,
+                     "reasons": "0x0000000000000000"}}
             for t in np.arange(1001.0, end + 2)]
     (tmp_path / "results.jsonl").write_text(res.to_json(orient="records", lines=True))
     (tmp_path / "host.jsonl").write_text("".join(json.dumps(h) + "\n" for h in host))
@@ -413,6 +415,7 @@ def test_report_sets_a_stalled_round_beside_the_host_that_stalled_it(tmp_path):
     assert [int(r[3]) for r in k3] == [1, 2, 3]
     by_round = {int(r[3]): r for r in k3}
     assert float(by_round[2][5]) > 1.1 and "neighbour" in by_round[2][-1]
+    assert [float(r[10]) for r in k3] == [1980.0] * 3  # the GPU's clock, sampled beside
     assert all(float(by_round[r][5]) < 1.05 and "neighbour" not in by_round[r][-1]
                for r in (1, 3))
 

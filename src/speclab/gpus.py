@@ -1,6 +1,6 @@
 """This machine's NVIDIA GPUs as `nvidia-smi` reports them: the one place the package asks
 (the fingerprint's hardware, the memory check's GPU model, preflight's GPU count, gpubench's
-memory in use)."""
+memory in use, the host sampler's clocks and power)."""
 
 from __future__ import annotations
 
@@ -43,3 +43,24 @@ def memory_gib(index: int = 0) -> tuple[float, float]:
     """(total, used) GiB of GPU `index` (raises where nvidia-smi is missing or fails)."""
     row = _query("memory.total,memory.used", check=True)[index]
     return float(row[0]) / 1024, float(row[1]) / 1024
+
+
+CLOCK_FIELDS = ("sm_mhz", "power_w", "temp_c")
+
+
+def clocks(index: int = 0) -> dict | None:
+    """GPU `index`'s SM clock (MHz), power draw (W) and temperature (°C) now, and the active
+    clock-event reasons (a bit mask: power cap, thermal, …; `nvidia-smi --help-query-gpu`)
+    where the driver names them; None where nvidia-smi is missing or fails."""
+    base = "clocks.sm,power.draw,temperature.gpu"
+    rows = _query(base + ",clocks_event_reasons.active") or _query(base)
+    if len(rows) <= index:
+        return None
+    row = rows[index]
+    try:
+        out = {k: float(v) for k, v in zip(CLOCK_FIELDS, row)}
+    except ValueError:  # "[N/A]" where a field is not supported
+        return None
+    if len(row) > 3:
+        out["reasons"] = row[3]
+    return out

@@ -5,7 +5,9 @@ A speculative step at batch 1 issues more host work than a plain one (drafter la
 rejection sampling); on some machines it stalled in some rounds and not in others. The
 sampler answers what the host was doing then: `Watch(path)` appends one JSON line a second
 (`interval`) to `host.jsonl`, the machine's CPU time in cores over the interval by kind, the
-1-minute load and the processes that used at least `min_cores` of a core, busiest first.
+1-minute load, the processes that used at least `min_cores` of a core, busiest first, and
+GPU 0's SM clock, power and temperature at the sample's end (`gpus.clocks`, where there is
+a GPU: is a slow round a throttled GPU?).
 `per_pass(host_rows, pass_rows)` averages those over each pass's greedy window
 (`t_full_start` .. + `t_full_s`, set by `speclab.benchworker`).
 """
@@ -18,7 +20,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from speclab import store
+from speclab import gpus, store
 
 KINDS = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
 TOP = 8
@@ -99,7 +101,10 @@ class Watch:
         before = snapshot()
         while not self._stop.wait(self.interval):
             after = snapshot()
-            store.append_jsonl(self.path, delta(before, after, hz))
+            sample = delta(before, after, hz)
+            if (gpu := gpus.clocks()) is not None:
+                sample["gpu"] = gpu
+            store.append_jsonl(self.path, sample)
             before = after
 
 
@@ -108,14 +113,16 @@ PASS_KEYS = ("engine", "op", "round", "B", "k", "t_full_s")
 
 def per_pass(host_rows: list[dict], pass_rows: list[dict], keys=PASS_KEYS) -> list[dict]:
     """Each pass with a greedy window (its `keys`), beside the samples whose interval lies in
-    it (weighted by overlap): the machine's busy, iowait and steal cores and the three
-    busiest commands."""
+    it (weighted by overlap): the machine's busy, iowait and steal cores, the three busiest
+    commands and, where sampled, the GPU's mean SM clock, power and temperature and every
+    clock-event reason that was active (`clock_events`)."""
     out = []
     for r in pass_rows:
         if "t_full_start" not in r:
             continue
         a, b = r["t_full_start"], r["t_full_start"] + r["t_full_s"]
-        weight, acc, by_comm = 0.0, defaultdict(float), defaultdict(float)
+        weight, gpu_w, acc, by_comm = 0.0, 0.0, defaultdict(float), defaultdict(float)
+        reasons: set[str] = set()
         for h in host_rows:
             w = max(0.0, min(b, h["t"]) - max(a, h["t"] - h["dt"]))
             if w <= 0:
@@ -123,6 +130,12 @@ def per_pass(host_rows: list[dict], pass_rows: list[dict], keys=PASS_KEYS) -> li
             weight += w
             for k in ("busy", "iowait", "steal", "load1"):
                 acc[k] += w * h[k]
+            if "gpu" in h:
+                gpu_w += w
+                for k in gpus.CLOCK_FIELDS:
+                    acc[k] += w * h["gpu"][k]
+                if h["gpu"].get("reasons") not in (None, "0x0000000000000000"):
+                    reasons.add(h["gpu"]["reasons"])
             for _pid, comm, cores, _cpu in h["top"]:
                 by_comm[comm] += w * cores
         if not weight:
@@ -130,6 +143,8 @@ def per_pass(host_rows: list[dict], pass_rows: list[dict], keys=PASS_KEYS) -> li
         top = sorted(by_comm.items(), key=lambda kv: -kv[1])[:3]
         out.append({**{k: r.get(k) for k in keys},
                     "covered_s": round(weight, 2),
-                    **{k: round(v / weight, 3) for k, v in acc.items()},
-                    "top": ", ".join(f"{c} {v / weight:.2f}" for c, v in top)})
+                    **{k: round(v / (gpu_w if k in gpus.CLOCK_FIELDS else weight), 3)
+                       for k, v in acc.items()},
+                    "top": ", ".join(f"{c} {v / weight:.2f}" for c, v in top),
+                    **({"clock_events": ", ".join(sorted(reasons))} if gpu_w else {})})
     return out

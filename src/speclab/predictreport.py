@@ -321,11 +321,16 @@ def _host_lines(dirs: list[Path], res: pd.DataFrame) -> list[str]:
              "its engine's median at that B (`vs_median`), beside what the machine's CPUs did "
              "in its greedy window (`speclab.hostwatch`, sampled every second, averaged over "
              "the samples it overlaps): cores busy, waiting on I/O and stolen by the "
-             "hypervisor (`steal`), the 1-minute load and the three busiest commands (cores). "
-             "A stalled round beside a busy neighbour or stolen time is the host's."), "",
+             "hypervisor (`steal`), the 1-minute load and the three busiest commands (cores); "
+             "where sampled, the GPU's mean SM clock, power and temperature and the clock-event "
+             "reasons active (`nvidia-smi` bit masks: 0x1 idle, 0x4 power cap, 0x20/0x40 "
+             "thermal). A stalled round beside a busy neighbour or stolen time is the host's; "
+             "one beside a lower clock, the GPU's."), "",
             _md(per.sort_values(["B", "k", "engine", "round"]),
                 ["engine", "B", "k", "round", "step_ms", "vs_median", "busy", "iowait",
-                 "steal", "load1", "top"]), ""]
+                 "steal", "load1",
+                 *(c for c in ("sm_mhz", "power_w", "temp_c", "clock_events") if c in per),
+                 "top"]), ""]
 
 
 def _weights_lines(dirs: list[Path]) -> list[str]:

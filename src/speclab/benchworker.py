@@ -149,16 +149,15 @@ def worker(spec: dict, out_fd: int) -> int:
     k = spec["k"]
     draft_succ = _draft_successors(spec, succ)
     timing = Path(spec["timing_dir"])
-    starts: list[float] = []
 
     def gen(prompts, n):
         sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=False)
         c0 = metrics.from_snapshot(llm.get_metrics())
-        starts.append(time.time())  # the window `speclab.hostwatch` reads the host in
+        start = time.time()  # the window `speclab.hostwatch` reads the host in
         g0 = time.perf_counter()
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
         dt = time.perf_counter() - g0
-        return dt, outs, (metrics.from_snapshot(llm.get_metrics()) - c0).to_dict()
+        return dt, outs, (metrics.from_snapshot(llm.get_metrics()) - c0).to_dict(), start
 
     log_path = Path(spec.get("log_path", os.devnull))
 
@@ -170,11 +169,11 @@ def worker(spec: dict, out_fd: int) -> int:
         B, seed, n = cmd["B"], cmd["seed"], cmd.get("tokens", MAX_TOKENS)
         prompts = batch_prompts(B, seed, k, n)
         if cmd["op"] == "pass":
-            t1, _, _ = gen(prompts, 1)
-            tn, outs, c = gen(prompts, n)
+            t1, *_ = gen(prompts, 1)
+            tn, outs, c, start = gen(prompts, n)
             exact = sum(list(o.outputs[0].token_ids) == realshape.greedy(succ, p, n)
                         for o, p in zip(outs, prompts))
-            msg = {"op": "pass", "t_prefill_s": t1, "t_full_s": tn, "t_full_start": starts[-1],
+            msg = {"op": "pass", "t_prefill_s": t1, "t_full_s": tn, "t_full_start": start,
                    "counters": c,
                    "outputs_exact": exact, "jit_compiled": jit_since(log_path, offset),
                    "prompt_tokens": sum(map(len, prompts)),
@@ -185,12 +184,11 @@ def worker(spec: dict, out_fd: int) -> int:
         elif cmd["op"] == "split":
             before = len(steptiming.read(timing))
             (timing / steptiming.FLAG).touch()
-            tn, _, c = gen(prompts, n)
-            t_start = starts[-1]
+            tn, _, c, start = gen(prompts, n)
             (timing / steptiming.FLAG).unlink()
             gen(prompts[:1], 2)  # the next drafter call writes the recorded events out
             calls = steptiming.read(timing)[before:]
-            say({"op": "split", "t_full_s": tn, "t_full_start": t_start, "counters": c,
+            say({"op": "split", "t_full_s": tn, "t_full_start": start, "counters": c,
                  "calls": calls})
         else:  # the driver would wait for an answer that never comes
             raise ValueError(f"an offline engine has no op {cmd['op']!r}")
@@ -229,7 +227,6 @@ def serve_worker(spec: dict, say) -> int:
         import httpx
 
         version = httpx.get(f"{url}/version", timeout=10).json().get("version")
-        starts: list[float] = []
         say({"op": "ready", "engine_init_s": round(time.perf_counter() - t0, 1),
              "vllm": version, "resolved": {"serve": url}})
 
@@ -237,12 +234,10 @@ def serve_worker(spec: dict, say) -> int:
             reqs = [server.request_body(P.Prompt(id=str(i), category="realshape",
                                                  prompt_token_ids=tuple(p)), "raw", n, 0.0, True)
                     for i, p in enumerate(ids)]
-            c0 = server.scrape(url)
-            starts.append(time.time())
-            g0 = time.perf_counter()
+            c0, start, g0 = server.scrape(url), time.time(), time.perf_counter()
             out = server.run_async(server.drive(url, reqs, concurrency=len(reqs)))
             dt = time.perf_counter() - g0
-            return dt, out, (server.scrape(url) - c0).to_dict()
+            return dt, out, (server.scrape(url) - c0).to_dict(), start
 
         for line in sys.stdin:
             cmd = json.loads(line)
@@ -253,9 +248,9 @@ def serve_worker(spec: dict, say) -> int:
             offset = log_path.stat().st_size
             B, n = cmd["B"], cmd.get("tokens", MAX_TOKENS)
             ids = batch_prompts(B, cmd["seed"], k, n)
-            t1, _, _ = gen(ids, 1)
-            tn, outs, c = gen(ids, n)
-            msg = {"op": "serve", "t_prefill_s": t1, "t_full_s": tn, "t_full_start": starts[-1],
+            t1, *_ = gen(ids, 1)
+            tn, outs, c, start = gen(ids, n)
+            msg = {"op": "serve", "t_prefill_s": t1, "t_full_s": tn, "t_full_start": start,
                    "counters": c,
                    "outputs_exact": sum(o["output_token_ids"] == realshape.greedy(succ, p, n)
                                         for o, p in zip(outs, ids)),

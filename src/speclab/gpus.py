@@ -61,6 +61,6 @@ def clocks(index: int = 0) -> dict | None:
         out = {k: float(v) for k, v in zip(CLOCK_FIELDS, row)}
     except ValueError:  # "[N/A]" where a field is not supported
         return None
-    if len(row) > 3:
+    if len(row) > 3 and row[3].startswith("0x"):  # not "[N/A]"
         out["reasons"] = row[3]
     return out

@@ -62,7 +62,8 @@ def snapshot() -> tuple[float, dict[str, int], dict[int, tuple[str, int, int]]]:
 
 
 def delta(before, after, tick_hz: float, min_cores: float = 0.05) -> dict:
-    """One sample: what the machine and its processes used between two snapshots, in cores."""
+    """One sample: what the machine and its processes used between two snapshots, in cores
+    (`Watch` adds the load and the GPU's reading)."""
     t0, cpu0, p0 = before
     t1, cpu1, p1 = after
     dt = t1 - t0
@@ -77,7 +78,7 @@ def delta(before, after, tick_hz: float, min_cores: float = 0.05) -> dict:
     busy = sum(v for k, v in per.items() if k not in ("idle", "iowait", "steal"))
     return {"t": round(t1, 3), "dt": round(dt, 3), "busy": round(busy, 3),
             "iowait": round(per["iowait"], 3), "steal": round(per["steal"], 3),
-            "load1": float((_read("/proc/loadavg") or "0").split()[0]), "top": top[:TOP]}
+            "top": top[:TOP]}
 
 
 class Watch:
@@ -102,6 +103,7 @@ class Watch:
         while not self._stop.wait(self.interval):
             after = snapshot()
             sample = delta(before, after, hz)
+            sample["load1"] = float((_read("/proc/loadavg") or "0").split()[0])
             if (gpu := gpus.clocks()) is not None:
                 sample["gpu"] = gpu
             store.append_jsonl(self.path, sample)
@@ -134,7 +136,7 @@ def per_pass(host_rows: list[dict], pass_rows: list[dict], keys=PASS_KEYS) -> li
                 gpu_w += w
                 for k in gpus.CLOCK_FIELDS:
                     acc[k] += w * h["gpu"][k]
-                if h["gpu"].get("reasons") not in (None, "0x0000000000000000"):
+                if int(h["gpu"].get("reasons", "0"), 16):
                     reasons.add(h["gpu"]["reasons"])
             for _pid, comm, cores, _cpu in h["top"]:
                 by_comm[comm] += w * cores

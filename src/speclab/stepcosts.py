@@ -47,22 +47,25 @@ def check_poolable(runs) -> list[dict]:
     return prov
 
 
-def engines(runs) -> list[dict]:
-    """Every engine record of one gpubench run or several (all calls: `engines.jsonl` in each
-    folder or below it), in order, each with its run's folder name (`run`)."""
+def _records(runs, name: str) -> list[tuple[Path, dict]]:
+    """(run folder, record) for every line of every `name` JSON-lines log in each run's
+    folder or below it (all device calls), in order."""
     from speclab.store import read_jsonl
 
-    return [{**e, "run": d.name} for d in run_dirs(runs)
-            for path in sorted(d.rglob("engines.jsonl")) for e in read_jsonl(path)]
+    return [(d, r) for d in run_dirs(runs) for path in sorted(d.rglob(name))
+            for r in read_jsonl(path)]
+
+
+def engines(runs) -> list[dict]:
+    """Every engine record of one gpubench run or several (`engines.jsonl`), in order, each
+    with its run's folder name (`run`)."""
+    return [{**e, "run": d.name} for d, e in _records(runs, "engines.jsonl")]
 
 
 def host_samples(runs) -> list[dict]:
-    """The host's CPU samples of one gpubench run or several (`host.jsonl` in each folder or
-    below it, `speclab.hostwatch`; [] for runs from before 2026-12-06's seventh session)."""
-    from speclab.store import read_jsonl
-
-    return [h for d in run_dirs(runs) for path in sorted(d.rglob("host.jsonl"))
-            for h in read_jsonl(path)]
+    """The host's CPU samples of one gpubench run or several (`host.jsonl`,
+    `speclab.hostwatch`; [] for runs from before 2026-12-06's seventh session)."""
+    return [h for _, h in _records(runs, "host.jsonl")]
 
 
 def load(runs) -> pd.DataFrame:
@@ -72,11 +75,9 @@ def load(runs) -> pd.DataFrame:
     engine's CUDA-graph capture sizes as resolved (`engines`; column `capture_sizes`, None
     where not recorded). Several runs pool their step costs: they must share a GPU model and
     vLLM release (`check_poolable`)."""
-    from speclab.store import read_jsonl
-
     machine = {p["run"]: p.get("machine") for p in check_poolable(runs)}
-    rows = [{**r, "run": d.name, "machine": machine[d.name] or d.name} for d in run_dirs(runs)
-            for path in sorted(d.rglob("results.jsonl")) for r in read_jsonl(path)]
+    rows = [{**r, "run": d.name, "machine": machine[d.name] or d.name}
+            for d, r in _records(runs, "results.jsonl")]
     if not rows:
         raise FileNotFoundError(f"no results.jsonl under {', '.join(map(str, run_dirs(runs)))}")
     sizes = {(e["run"], e["engine"]): e["resolved"].get("cudagraph_capture_sizes") or None

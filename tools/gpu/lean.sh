@@ -24,7 +24,7 @@ size() {
 
 off() {
   git reset -q -- data/runs figures
-  sed -i "/^$MARK begin\$/,/^$MARK end\$/d" "$GIT/info/exclude"
+  [ ! -e "$GIT/info/exclude" ] || sed -i "/^$MARK begin\$/,/^$MARK end\$/d" "$GIT/info/exclude"
   grep -q "$MARK" "$HOOK" 2>/dev/null && rm -f "$HOOK"
   return 0
 }
@@ -33,7 +33,7 @@ case "${1:-}" in
 on)
   shift
   off
-  mkdir -p "$GIT/hooks"
+  mkdir -p "$GIT/hooks" "$GIT/info"
   [ ! -e "$HOOK" ] || { echo "lean.sh: $HOOK exists; not replacing it" >&2; exit 2; }
   printf '#!/bin/sh\n%s\necho "%s" >&2\nexit 1\n' "$MARK" \
     "tools/gpu/lean.sh is on: run it with off before committing" > "$HOOK"

@@ -289,6 +289,28 @@ def test_lean_sends_only_what_the_device_reads_and_blocks_commits_until_off(tmp_
     assert not (root / ".git/hooks/pre-commit").exists()
 
 
+def test_lean_works_on_a_clone_without_git_info(tmp_path):
+    """A fresh checkout may have no .git/info (no exclude file yet): `on` creates it and
+    `off` leaves no mark in it (before 2026-12-06 `on` stopped at sed and stayed off)."""
+    root = tree(tmp_path, "lean.sh")
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(root)]
+    subprocess.run([*git[:5], "init", "-q", str(root)], check=True)
+    for rel in ("data/runs/old/big.html", "figures/old/f.svg"):
+        (root / rel).parent.mkdir(parents=True)
+        (root / rel).write_bytes(b"x" * (3 << 20))
+    subprocess.run([*git, "add", "-A"], check=True)
+    subprocess.run([*git, "commit", "-qm", "base"], check=True)
+    shutil.rmtree(root / ".git/info")
+    lean = lambda arg: subprocess.run(["bash", "tools/gpu/lean.sh", arg], cwd=root,  # noqa: E731
+                                      capture_output=True, text=True, check=False)
+    r = lean("on")
+    assert r.returncode == 0 and r.stdout.startswith("0.0 MiB"), r.stdout + r.stderr
+    assert "/data/runs/" in (root / ".git/info/exclude").read_text()
+    r = lean("off")
+    assert r.returncode == 0 and r.stdout.startswith("6.0 MiB"), r.stdout + r.stderr
+    assert "lean.sh" not in (root / ".git/info/exclude").read_text()
+
+
 def test_gpu_env_names_the_machine_a_run_had(tmp_path, monkeypatch):
     """env.json's `machine`: this boot's id, the CPU model and count, and the GPUs' UUIDs as
     nvidia-smi gives them; a fake nvidia-smi on PATH (the control) changes the UUIDs only."""

@@ -25,6 +25,7 @@ path.unlink(missing_ok=True)
 raw = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,clocks.sm,power.draw,"
                       "temperature.gpu,clocks_event_reasons.active",
                       "--format=csv,noheader,nounits"], capture_output=True, text=True)
+print("torch", torch.__version__, "cuda", torch.version.cuda)
 print("nvidia-smi:", raw.stdout.strip() or raw.stderr.strip())
 print("gpus.clocks():", gpus.clocks())
 

@@ -2,9 +2,12 @@
 bf16 matmuls on GPU 0 and 4 s idle again, writing `host.jsonl` to OUT. Every sample must carry
 `gpu` (SM clock, power, temperature; `reasons` where the driver names them), and `per_pass`
 over the busy window must read more power than over the idle ones (the control: a sampler
-whose GPU fields were stale or misparsed would read the same power in both).
+whose GPU fields were stale or misparsed would read the same power in both). With
+`--copy S`, then S seconds of copying 2 GiB on the GPU under the sampler (`copy.jsonl`): the
+HBM rate, power, SM clock and clock events of a memory-bound load, like a decode step's
+weight reads.
 
-    PYTHONPATH=SHARED_SITE:src python3 tools/gpu/hostwatch_check.py OUT
+    PYTHONPATH=SHARED_SITE:src python3 tools/gpu/hostwatch_check.py OUT [--copy S]
     (SHARED_SITE: the bundle's shared layer, for pydantic; the image has torch and pandas)
 """
 
@@ -22,9 +25,9 @@ out = pathlib.Path(sys.argv[1])
 out.mkdir(parents=True, exist_ok=True)
 path = out / "host.jsonl"
 path.unlink(missing_ok=True)
-raw = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,clocks.sm,power.draw,"
-                      "temperature.gpu,clocks_event_reasons.active",
-                      "--format=csv,noheader,nounits"], capture_output=True, text=True)
+QUERY = "name,driver_version,clocks.sm,power.draw,temperature.gpu,clocks_event_reasons.active"
+raw = subprocess.run(["nvidia-smi", f"--query-gpu={QUERY}", "--format=csv,noheader,nounits"],
+                     capture_output=True, text=True, check=False)
 print("torch", torch.__version__, "cuda", torch.version.cuda)
 print("nvidia-smi:", raw.stdout.strip() or raw.stderr.strip())
 print("gpus.clocks():", gpus.clocks())
@@ -64,4 +67,31 @@ checks = {
 for name, ok in checks.items():
     print(("ok  " if ok else "FAIL"), name)
 print(f"{len(rows)} samples, {sum('gpu' in r for r in rows)} with gpu -> {path}")
+if "--copy" in sys.argv:
+    seconds = float(sys.argv[sys.argv.index("--copy") + 1])
+    del a
+    src = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    (out / "copy.jsonl").unlink(missing_ok=True)
+    watch = hostwatch.Watch(out / "copy.jsonl").start()
+    time.sleep(3)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t0, n = time.time(), 0
+    start.record()
+    while time.time() - t0 < seconds:
+        for _ in range(10):
+            dst.copy_(src)
+        n += 10
+        torch.cuda.synchronize()
+    end.record()
+    torch.cuda.synchronize()
+    time.sleep(3)
+    watch.stop()
+    ms = start.elapsed_time(end)
+    print(f"copy: {n} x 2 GiB read + write in {ms / 1e3:.1f} s = {n * 4 * 2**30 / ms / 1e6:.0f} GB/s")
+    for line in (out / "copy.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        g = r.get("gpu", {})
+        print(f"{r['t'] - t0:6.1f} s  sm_mhz {g.get('sm_mhz')} power_w {g.get('power_w')} "
+              f"temp_c {g.get('temp_c')} reasons {g.get('reasons')}")
 sys.exit(0 if all(checks.values()) else 1)

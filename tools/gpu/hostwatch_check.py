@@ -21,10 +21,28 @@ import torch
 
 from speclab import gpus, hostwatch
 
+
+def watched(path: pathlib.Path, step, busy_s: float, idle_s: float):
+    """The sampler on `path` through `idle_s` idle, `step()` (then synchronised) again and again
+    for `busy_s`, and `idle_s` idle: (its samples, {window: (start, seconds)})."""
+    path.unlink(missing_ok=True)
+    watch = hostwatch.Watch(path).start()
+    windows = {}
+    for name, s in (("idle-before", 0), ("busy", busy_s), ("idle-after", 0)):
+        t0 = time.time()
+        while s and time.time() - t0 < s:
+            step()
+            torch.cuda.synchronize()
+        time.sleep(0 if s else idle_s)
+        windows[name] = (t0, time.time() - t0)
+    time.sleep(1.5)  # the last idle second's sample
+    watch.stop()
+    return [json.loads(line) for line in path.read_text().splitlines()], windows
+
+
 out = pathlib.Path(sys.argv[1])
 out.mkdir(parents=True, exist_ok=True)
 path = out / "host.jsonl"
-path.unlink(missing_ok=True)
 QUERY = "name,driver_version,clocks.sm,power.draw,temperature.gpu,clocks_event_reasons.active"
 raw = subprocess.run(["nvidia-smi", f"--query-gpu={QUERY}", "--format=csv,noheader,nounits"],
                      capture_output=True, text=True, check=False)
@@ -33,22 +51,7 @@ print("nvidia-smi:", raw.stdout.strip() or raw.stderr.strip())
 print("gpus.clocks():", gpus.clocks())
 
 a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-watch = hostwatch.Watch(path).start()
-windows = {}
-for name, busy_s in (("idle-before", 0), ("busy", 8), ("idle-after", 0)):
-    t0 = time.time()
-    if busy_s:
-        while time.time() - t0 < busy_s:
-            for _ in range(20):
-                a @ a
-            torch.cuda.synchronize()
-    else:
-        time.sleep(4)
-    windows[name] = (t0, time.time() - t0)
-time.sleep(1.5)
-watch.stop()
-
-rows = [json.loads(line) for line in path.read_text().splitlines()]
+rows, windows = watched(path, lambda: [a @ a for _ in range(20)], busy_s=8, idle_s=4)
 passes = [{"engine": name, "t_full_start": t0 + 1, "t_full_s": dt - 1}  # a second's margin
           for name, (t0, dt) in windows.items()]
 seen = {p["engine"]: p for p in hostwatch.per_pass(rows, passes)}
@@ -68,29 +71,23 @@ for name, ok in checks.items():
     print(("ok  " if ok else "FAIL"), name)
 print(f"{len(rows)} samples, {sum('gpu' in r for r in rows)} with gpu -> {path}")
 if "--copy" in sys.argv:
-    seconds = float(sys.argv[sys.argv.index("--copy") + 1])
     del a
     src = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
-    (out / "copy.jsonl").unlink(missing_ok=True)
-    watch = hostwatch.Watch(out / "copy.jsonl").start()
-    time.sleep(3)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    t0, n = time.time(), 0
-    start.record()
-    while time.time() - t0 < seconds:
+    copies = 0
+
+    def copy_10():
+        global copies
         for _ in range(10):
             dst.copy_(src)
-        n += 10
-        torch.cuda.synchronize()
-    end.record()
-    torch.cuda.synchronize()
-    time.sleep(3)
-    watch.stop()
-    ms = start.elapsed_time(end)
-    print(f"copy: {n} x 2 GiB read + write in {ms / 1e3:.1f} s = {n * 4 * 2**30 / ms / 1e6:.0f} GB/s")
-    for line in (out / "copy.jsonl").read_text().splitlines():
-        r = json.loads(line)
+        copies += 10
+
+    rows, windows = watched(out / "copy.jsonl", copy_10,
+                            busy_s=float(sys.argv[sys.argv.index("--copy") + 1]), idle_s=3)
+    t0, dt = windows["busy"]
+    print(f"copy: {copies} x 2 GiB read + write in {dt:.1f} s = "
+          f"{copies * 4 * 2**30 / dt / 1e9:.0f} GB/s")
+    for r in rows:
         g = r.get("gpu", {})
         print(f"{r['t'] - t0:6.1f} s  sm_mhz {g.get('sm_mhz')} power_w {g.get('power_w')} "
               f"temp_c {g.get('temp_c')} reasons {g.get('reasons')}")

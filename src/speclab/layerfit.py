@@ -18,25 +18,30 @@ from speclab import predict, stepcosts
 PRODUCTION_LAYERS = 43
 
 
-def _pooled_by(costs: pd.DataFrame, key) -> pd.DataFrame:
+def _pooled_by(costs: pd.DataFrame, key, means: np.ndarray | None = None) -> pd.DataFrame:
     """`costs`' steps pooled per value of `key` (a column, or a list of them), sorted by it:
     for several measured points of one quantity (plain steps of batch sizes that replay one
     graph) the inverse-variance mean of their means, each standard error from its 95% t-interval, and the 95% t-interval of
     the same mean of the intervals' midpoints at their degrees of freedom summed (a single
     point keeps its own; a point without an interval makes its value's NaN). The interval
-    stays the measured one's when the means are redrawn (`extrapolation_spread`)."""
+    stays the measured one's when the means are redrawn: `means` (a row per row of `costs`,
+    a column per draw: `extrapolation_spread`) are pooled with the same weights, as columns
+    0, 1, ... in place of step_ms."""
     from scipy import stats
 
     dof = (costs.rounds - 1).clip(lower=1).to_numpy(float)
     se = (costs.step_hi - costs.step_lo).to_numpy(float) / (2 * stats.t.ppf(0.975, dof))
     w = 1 / np.maximum(se, 1e-9) ** 2
-    parts = pd.DataFrame({"w": w, "wm": w * costs.step_ms.to_numpy(float),
-                          "wmid": w * (costs.step_lo + costs.step_hi).to_numpy(float) / 2,
-                          "dof": dof, "nan": np.isnan(w)}, index=costs.index)
+    cols = ["step_ms"] if means is None else list(range(means.shape[1]))
+    m = costs.step_ms.to_numpy(float)[:, None] if means is None else means
+    parts = pd.DataFrame({"w": w, "wmid": w * (costs.step_lo + costs.step_hi).to_numpy(float) / 2,
+                          "dof": dof, "nan": np.isnan(w)}, index=costs.index).join(
+        pd.DataFrame(w[:, None] * m, index=costs.index, columns=cols))
+    # per column: a draw's sums are the ones it would get pooled alone
     g = parts.join(costs[key]).groupby(key).sum().sort_index()
-    g.loc[g.nan > 0, ["w", "wm", "wmid"]] = np.nan
+    g.loc[g.nan > 0, ["w", "wmid", *cols]] = np.nan
     mid, half = g.wmid / g.w, stats.t.ppf(0.975, g.dof) / np.sqrt(g.w)
-    return pd.DataFrame({"step_ms": g.wm / g.w, "step_lo": mid - half, "step_hi": mid + half})
+    return g[cols].div(g.w, axis=0).assign(step_lo=mid - half, step_hi=mid + half)
 
 
 def _plain_layers(costs: pd.DataFrame, eager: bool) -> list[int]:
@@ -63,21 +68,41 @@ def fit_layers(costs: pd.DataFrame, layers: int, eager: bool = False) -> tuple[
         raise ValueError("extrapolation needs plain steps at two layer counts; have "
                          f"{Ls}")
     fit, synth = [], []
-    for n, by_L in _pooled_by(plain, ["rows", "layers"]).groupby(level="rows"):
-        by_L = by_L.droplevel("rows")
-        if len(by_L) < 2:
-            continue
-        b, a = np.polyfit(by_L.index.to_numpy(float), by_L.step_ms, 1)
-        resolved = bool(by_L.step_lo.iloc[-1] > by_L.step_hi.iloc[0])
-        fit.append({"n": int(n), "a_ms": a, "b_ms_per_layer": b, "resolved": resolved})
+    for n, resolved, ((b, a),) in _lines(plain):
+        fit.append({"n": n, "a_ms": a, "b_ms_per_layer": b, "resolved": resolved})
         if resolved:
-            synth.append({"layers": layers, "eager": eager, "k": 0, "B": int(n),
-                          "rows": int(n), "step_ms": a + b * layers})
+            synth.append({"layers": layers, "eager": eager, "k": 0, "B": n,
+                          "rows": n, "step_ms": a + b * layers})
     if not synth:
         raise ValueError(f"the plain step does not grow beyond its 95% interval from "
                          f"{Ls[0]} to {Ls[-1]} layers at any graph size (host-bound "
                          f"steps): a line through them says nothing about {layers} layers")
     return pd.DataFrame(fit), pd.DataFrame(synth)
+
+
+def _lines(plain: pd.DataFrame, means: np.ndarray | None = None) -> list[tuple]:
+    """`fit_layers`' lines: per graph size n (sorted) with steps at two or more layer counts
+    in `plain`, (n, resolved, [(b, a) of the least-squares line a + b L through the pooled
+    steps (`_pooled_by`), for step_ms or each column of `means`])."""
+    out = []
+    for n, by_L in _pooled_by(plain, ["rows", "layers"], means).groupby(level="rows"):
+        by_L = by_L.droplevel("rows")
+        if len(by_L) < 2:
+            continue
+        x, y = by_L.index.to_numpy(float), by_L.drop(columns=["step_lo", "step_hi"]).to_numpy()
+        out.append((int(n), bool(by_L.step_lo.iloc[-1] > by_L.step_hi.iloc[0]),
+                    [np.polyfit(x, y[:, j], 1) for j in range(y.shape[1])]))
+    return out
+
+
+def _carried(costs: pd.DataFrame, drafts: pd.DataFrame, layers: int,
+             eager: bool) -> tuple[int, pd.DataFrame, list]:
+    """What `extrapolate` carries to `layers` besides the plain steps: the depth of the
+    deepest run with drafter times (else of the deepest plain steps), its drafter times as
+    `layers`' (the draft does not grow with the target), and the speculative batch sizes."""
+    deepest = max(drafts[drafts.eager == eager].layers, default=_plain_layers(costs, eager)[-1])
+    d = drafts[(drafts.layers == deepest) & (drafts.eager == eager)].assign(layers=layers)
+    return int(deepest), d, sorted(costs[costs.k > 0].B.unique())
 
 
 def extrapolate(costs: pd.DataFrame, drafts: pd.DataFrame, rates, layers: int =
@@ -88,13 +113,10 @@ def extrapolate(costs: pd.DataFrame, drafts: pd.DataFrame, rates, layers: int =
     `predict.predict`, "plain": the plain steps at `layers` (B = rows = n), "drafts": the drafter
     times used}."""
     fit, plain = fit_layers(costs, layers, eager)
-    Ls = _plain_layers(costs, eager)
-    deepest = max(drafts[drafts.eager == eager].layers, default=Ls[-1])
-    d = drafts[(drafts.layers == deepest) & (drafts.eager == eager)].assign(layers=layers)
-    spec_B = sorted(costs[costs.k > 0].B.unique())
+    deepest, d, spec_B = _carried(costs, drafts, layers, eager)
     pred = predict.predict(plain, d, rates, ks=ks, batches=spec_B)
-    return {"fit": fit, "prediction": pred, "layers_measured": Ls,
-            "drafts_from_layers": int(deepest), "plain": plain, "drafts": d}
+    return {"fit": fit, "prediction": pred, "layers_measured": _plain_layers(costs, eager),
+            "drafts_from_layers": deepest, "plain": plain, "drafts": d}
 
 
 def held_out(results: pd.DataFrame, max_tokens: int = 128) -> pd.DataFrame:
@@ -158,20 +180,29 @@ def extrapolation_spread(costs: pd.DataFrame, drafts: pd.DataFrame, rates, layer
     B, k) the 2.5 and 97.5 percentiles of the predicted speedup (`pred_lo`, `pred_hi`) and the
     share of draws in which that k is its setting's best at B (`p_best`); and per (B, draft)
     its best k's speedup (`best_speedup`, `best_lo`, `best_hi`) and the share of draws in
-    which that setting is the fastest at B (`p_fastest`: methods compared on the same draw)."""
+    which that setting is the fastest at B (`p_fastest`: methods compared on the same draw).
+    What the draws do not change (the fit's weights and resolved sizes, the drafter times) is
+    read once; each draw redoes the lines and the prediction."""
     from scipy import stats
 
     g = np.random.default_rng(seed)
     plain = costs[(costs.k == 0) & (costs.eager == eager)]
     dof = (plain.rounds - 1).clip(lower=1).to_numpy()
     se = ((plain.step_hi - plain.step_lo) / (2 * stats.t.ppf(0.975, dof))).fillna(0).to_numpy()
-    runs = []
+    drawn = np.column_stack([plain.step_ms + g.standard_t(dof) * se for _ in range(draws)])
+    fit_layers(costs, layers, eager)  # raises where `extrapolate` would: no draw changes that
+    _, d, spec_B = _carried(costs, drafts, layers, eager)
+    points = predict.drafter_points(d, spec_B, ks, eager)
+    lines = [(n, ab) for n, resolved, ab in _lines(plain, drawn) if resolved]
+    sizes = np.array([n for n, _ in lines], float)  # `fit_layers`' steps: B = rows = n
+    b, a = np.array([ab for _, ab in lines]).T  # per draw, per size
+    rows = []
     for i in range(draws):
-        drawn = costs.copy()
-        drawn.loc[plain.index, "step_ms"] = plain.step_ms + g.standard_t(dof) * se
-        runs.append(extrapolate(drawn, drafts, rates, layers, eager, ks)["prediction"]
-                    .assign(draw=i))
-    every = pd.concat(runs, ignore_index=True).dropna(subset=["pred_speedup"])
+        curve = sizes, a[i] + b[i] * layers  # one curve by B and by rows
+        rows += [{"draft": r["draft"], "B": r["B"], "k": r["k"],
+                  "pred_speedup": r["pred_speedup"], "draw": i}
+                 for r in predict.predicted_rows(points, curve, curve, rates, layers, eager)]
+    every = pd.DataFrame(rows).dropna(subset=["pred_speedup"])
     keys = ["draft", "B", "k"]
     per_k = every.groupby(keys).pred_speedup.quantile([0.025, 0.975]).unstack()
     per_k.columns = ["pred_lo", "pred_hi"]

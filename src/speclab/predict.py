@@ -128,20 +128,29 @@ def experts_touched(n, experts: int = MOE[0], top_k: int = MOE[1]):
 
 def interpolate(curve: pd.Series, n: float) -> float:
     """T_plain(n) linear in n between the measured batch sizes, NaN outside them."""
-    if curve.empty or not curve.index.min() <= n <= curve.index.max():
-        return float("nan")
-    return float(np.interp(n, curve.index.to_numpy(float), curve.to_numpy(float)))
+    return plain_at(curve, n, None)
 
 
 def plain_at(curve: pd.Series, n: float, moe=MOE) -> float:
     """T_plain(n): linear between the measured batch sizes in the experts n tokens read,
     E(n) = `experts_touched(n, *moe)` (linear in n with `moe` None: `interpolate`), NaN
     outside them."""
-    if moe is None or curve.empty or not curve.index.min() <= n <= curve.index.max():
-        return interpolate(curve, n)
-    return float(np.interp(experts_touched(n, *moe),
-                           experts_touched(curve.index.to_numpy(float), *moe),
-                           curve.to_numpy(float)))
+    return _plain_at(_xy(curve), n, moe)
+
+
+def _xy(curve: pd.Series) -> tuple[np.ndarray, np.ndarray]:
+    """A curve's batch sizes and steps as float arrays, for `_plain_at`."""
+    return curve.index.to_numpy(float), curve.to_numpy(float)
+
+
+def _plain_at(xy: tuple[np.ndarray, np.ndarray], n: float, moe=MOE) -> float:
+    """`plain_at` on a curve's arrays (`_xy`)."""
+    x, y = xy
+    if not len(x) or not x.min() <= n <= x.max():
+        return float("nan")
+    if moe is None:
+        return float(np.interp(n, x, y))
+    return float(np.interp(experts_touched(n, *moe), experts_touched(x, *moe), y))
 
 
 def drafter_at(d: pd.DataFrame, k: int, col: str) -> float:
@@ -151,7 +160,12 @@ def drafter_at(d: pd.DataFrame, k: int, col: str) -> float:
     k / k0 (`drafter_scaled` says which k these are); NaN with none measured. On the H200
     (2026-12-04, k = 1, 3, 5 measured) the scaled k = 1 time gives k = 3's 10% high, k = 5's
     3% low; the line through k = 1 and 3 gives k = 5's within 1.4%."""
-    ks, ts = _measured(d, col)
+    return _drafter_at(_measured(d, col), k)
+
+
+def _drafter_at(measured: tuple[np.ndarray, np.ndarray], k: int) -> float:
+    """`drafter_at` on `_measured`'s k and times."""
+    ks, ts = measured
     if not len(ks):
         return float("nan")
     if ks[0] <= k <= ks[-1]:
@@ -167,7 +181,12 @@ def sample_extra_at(d: pd.DataFrame, k: int) -> float:
     batch size): read between the measured k, the nearest measured k's outside them (it is
     nearly flat in k: 0.058-0.064 ms at B = 1 for k = 1, 2, 3, 5 on the H200); 0 where none
     was measured (the model then leaves it out, as before 2026-12-05)."""
-    ks, ts = _measured(d, "sample_extra_ms")
+    return _sample_extra_at(_measured(d, "sample_extra_ms"), k)
+
+
+def _sample_extra_at(measured: tuple[np.ndarray, np.ndarray], k: int) -> float:
+    """`sample_extra_at` on `_measured`'s k and times."""
+    ks, ts = measured
     return float(np.interp(k, ks, ts)) if len(ks) else 0.0
 
 
@@ -181,7 +200,12 @@ def _measured(d: pd.DataFrame, col: str) -> tuple[np.ndarray, np.ndarray]:
 
 def drafter_scaled(d: pd.DataFrame, k: int) -> bool:
     """Whether `drafter_at` reads k outside the measured k (extrapolated, not measured)."""
-    ks, _ = _measured(d, "draft_ms")
+    return _drafter_scaled(_measured(d, "draft_ms"), k)
+
+
+def _drafter_scaled(measured: tuple[np.ndarray, np.ndarray], k: int) -> bool:
+    """`drafter_scaled` on `_measured`'s k and times."""
+    ks, _ = measured
     return bool(len(ks)) and not ks[0] <= k <= ks[-1]
 
 
@@ -201,47 +225,90 @@ def predict(costs: pd.DataFrame, drafts: pd.DataFrame, rates, ks=range(1, 6),
     for a host that cannot run ahead of the GPU; NaN without a host time."""
     rows = []
     for (layers, eager), _ in costs.groupby(["layers", "eager"]):
-        curve = plain_curve(costs, layers, eager)
-        by_rows = rows_curve(costs, layers, eager)
-        d = drafts[(drafts.layers == layers) & (drafts.eager == eager)]
-        for draft in sorted(d.draft.unique()) or [""]:
-            dd = d[d.draft == draft]
-            for B in batches or sorted(costs[(costs.layers == layers) & (costs.k > 0)].B.unique()):
-                t0, db = plain_at(curve, B, moe), dd[dd.B == B]
-                for k in ks:
-                    n = cudagraphs.step_rows(B, k, eager, gpu=gpu, vllm=vllm)
-                    verify = plain_at(by_rows, n, moe)
-                    draft_ms = drafter_at(db, k, "draft_ms")
-                    sample = sample_extra_at(db, k)
-                    rate = rates_for(rates, draft)
-                    tail = 0.0
-                    if tokens and B > 1:  # the drafter's and sampling's time at B every step
-                        by_m = [plain_at(by_rows, cudagraphs.step_rows(m, k, eager, gpu=gpu,
-                                                                       vllm=vllm), moe)
-                                + draft_ms + sample for m in range(1, int(B) + 1)]
-                        tail = (batch_step(by_m, round_survival(rate, k, tokens))
-                                - verify - draft_ms - sample)
-                    step = verify + draft_ms + sample + tail
-                    al = acceptance_length(rate, k)
-                    host = drafter_at(db, k, "draft_host_ms")
-                    rows.append({"layers": layers, "eager": eager, "draft": draft, "k": k,
-                                 "B": B, "al": al, "verify_rows": n, "verify_ms": verify,
-                                 "draft_ms": draft_ms, "sample_extra_ms": sample,
-                                 "tail_ms": tail,
-                                 "pred_step_ms": step,
-                                 "draft_host_ms": host,
-                                 "drafter_scaled": drafter_scaled(db, k),
-                                 "pred_tok_s": 1e3 * B * al / step,
-                                 "pred_speedup": al * t0 / step,
-                                 "pred_serial_speedup": al * t0 / (step - draft_ms
-                                                                   + max(host, draft_ms))
-                                 if pd.notna(host) else float("nan"),
-                                 "al_needed": step / t0})
-    out = pd.DataFrame(rows)
+        curve, by_rows, points = _configuration(costs, drafts, layers, eager, batches, ks, gpu,
+                                                vllm, tail=bool(tokens))
+        rows += predicted_rows(points, curve, by_rows, rates, layers, eager, moe, tokens)
+    return _with_best(pd.DataFrame(rows))
+
+
+def _with_best(out: pd.DataFrame) -> pd.DataFrame:
+    """`predict`'s rows with `best`: the highest speedup per (configuration, B)."""
     if len(out):
         best = out.groupby([*stepcosts.CONFIG, "B"]).pred_speedup.transform("max")
         out["best"] = out.pred_speedup == best
     return out
+
+
+def _configuration(costs: pd.DataFrame, drafts: pd.DataFrame, layers: int, eager: bool,
+                   batches=None, ks=range(1, 6), gpu: str = "hopper", vllm: str = "0.26",
+                   tail: bool = False) -> tuple:
+    """What `predict` reads of one (layers, eager) configuration besides the rates: its plain
+    curves by B and by rows (`_xy` of `plain_curve`, `rows_curve`) and its `drafter_points`
+    at `batches` (None: the batch sizes its speculative engines ran)."""
+    d = drafts[(drafts.layers == layers) & (drafts.eager == eager)]
+    Bs = batches or sorted(costs[(costs.layers == layers) & (costs.k > 0)].B.unique())
+    return (_xy(plain_curve(costs, layers, eager)), _xy(rows_curve(costs, layers, eager)),
+            drafter_points(d, Bs, ks, eager, gpu, vllm, tail))
+
+
+def drafter_points(d: pd.DataFrame, batches, ks, eager: bool, gpu: str = "hopper",
+                   vllm: str = "0.26", tail: bool = False) -> list[dict]:
+    """What `predict` reads per (draft setting, B, k), in its order, that the plain curve
+    does not change, from one configuration's drafter times `d`: the verify step's rows
+    (`verify_rows`), `draft_ms` and `draft_host_ms` (`drafter_at`), `sample_extra_ms` and
+    `drafter_scaled`; with `tail`, `tail_rows`, the rows of the step at each m = 1 .. B
+    requests (None at B = 1 or without `tail`)."""
+    points = []
+    for draft in sorted(d.draft.unique()) or [""]:
+        dd = d[d.draft == draft]
+        for B in batches:
+            db = dd[dd.B == B]
+            drafter, host = _measured(db, "draft_ms"), _measured(db, "draft_host_ms")
+            sample = _measured(db, "sample_extra_ms")
+            for k in ks:
+                points.append({
+                    "draft": draft, "B": B, "k": k,
+                    "verify_rows": cudagraphs.step_rows(B, k, eager, gpu=gpu, vllm=vllm),
+                    "draft_ms": _drafter_at(drafter, k),
+                    "sample_extra_ms": _sample_extra_at(sample, k),
+                    "draft_host_ms": _drafter_at(host, k),
+                    "drafter_scaled": _drafter_scaled(drafter, k),
+                    "tail_rows": [cudagraphs.step_rows(m, k, eager, gpu=gpu, vllm=vllm)
+                                  for m in range(1, int(B) + 1)]
+                    if tail and B > 1 else None})
+    return points
+
+
+def predicted_rows(points: list[dict], curve, by_rows, rates, layers: int, eager: bool,
+                   moe=MOE, tokens: int | None = None) -> list[dict]:
+    """`predict`'s rows (less `best`) of one configuration from its `drafter_points` and its
+    plain curves by B and by rows as arrays (`_xy` of `plain_curve` and `rows_curve`);
+    `tokens` as `predict`'s (the points need `tail_rows` then)."""
+    rows = []
+    for p in points:
+        B, k, n, draft_ms = p["B"], p["k"], p["verify_rows"], p["draft_ms"]
+        sample, host, rate = p["sample_extra_ms"], p["draft_host_ms"], rates_for(rates, p["draft"])
+        t0, verify = _plain_at(curve, B, moe), _plain_at(by_rows, n, moe)
+        tail = 0.0
+        if tokens and B > 1:  # the drafter's and sampling's time at B every step
+            by_m = [_plain_at(by_rows, m, moe) + draft_ms + sample for m in p["tail_rows"]]
+            tail = (batch_step(by_m, round_survival(rate, k, tokens))
+                    - verify - draft_ms - sample)
+        step = verify + draft_ms + sample + tail
+        al = acceptance_length(rate, k)
+        rows.append({"layers": layers, "eager": eager, "draft": p["draft"], "k": k,
+                     "B": B, "al": al, "verify_rows": n, "verify_ms": verify,
+                     "draft_ms": draft_ms, "sample_extra_ms": sample,
+                     "tail_ms": tail,
+                     "pred_step_ms": step,
+                     "draft_host_ms": host,
+                     "drafter_scaled": p["drafter_scaled"],
+                     "pred_tok_s": 1e3 * B * al / step,
+                     "pred_speedup": al * t0 / step,
+                     "pred_serial_speedup": al * t0 / (step - draft_ms + max(host, draft_ms))
+                     if pd.notna(host) else float("nan"),
+                     "al_needed": step / t0})
+    return rows
 
 
 def verify_by_rows(results: pd.DataFrame) -> pd.DataFrame:
@@ -289,27 +356,31 @@ def validate(results: pd.DataFrame, max_tokens: int = 128) -> pd.DataFrame:
     rows = []
     for _, r in costs[costs.k > 0].iterrows():
         rates, tokens = stepcosts.measured_rates(r, timed), int(np.rint(r.tokens))
-
-        def mine(r=r, rates=rates, drafts=drafts, **kw) -> pd.DataFrame:
-            return point_prediction(costs, drafts, r, rates, **kw)
-
-        p = mine(tokens=tokens)
-        if p.empty:
+        curve, by_rows, points = _point(costs, drafts, r)  # read once for the four models
+        if not points:
             continue
-        q = p.iloc[0]
-        rows.append({**r.to_dict(), "pred_step_ms": q.pred_step_ms, "draft_ms": q.draft_ms,
-                     "sample_extra_ms": q.sample_extra_ms,
-                     "verify_ms": q.verify_ms, "pred_tail_ms": q.tail_ms,
-                     "drafter_scaled": q.drafter_scaled, "pred_speedup": q.pred_speedup,
-                     "error": q.pred_speedup / r.speedup - 1, "draft_host_ms": q.draft_host_ms,
-                     "error_steady": mine().pred_speedup.iloc[0] / r.speedup - 1,
-                     "error_linear": mine(tokens=tokens, moe=None).pred_speedup.iloc[0]
+
+        def mine(points=points, curve=curve, by_rows=by_rows, r=r, rates=rates,
+                 **kw) -> dict:
+            return predicted_rows(points, curve, by_rows, rates, r.layers, r.eager, **kw)[0]
+
+        q = mine(tokens=tokens)
+        no_sample = [{**p, "sample_extra_ms": 0.0} for p in points]  # T_sample left out
+        rows.append({**r.to_dict(), "pred_step_ms": q["pred_step_ms"],
+                     "draft_ms": q["draft_ms"], "sample_extra_ms": q["sample_extra_ms"],
+                     "verify_ms": q["verify_ms"], "pred_tail_ms": q["tail_ms"],
+                     "drafter_scaled": q["drafter_scaled"], "pred_speedup": q["pred_speedup"],
+                     "error": q["pred_speedup"] / r.speedup - 1,
+                     "draft_host_ms": q["draft_host_ms"],
+                     "error_steady": mine()["pred_speedup"] / r.speedup - 1,
+                     "error_linear": mine(tokens=tokens, moe=None)["pred_speedup"]
                      / r.speedup - 1,
-                     "error_no_sample": mine(tokens=tokens, drafts=drafts.assign(
-                         sample_extra_ms=np.nan)).pred_speedup.iloc[0] / r.speedup - 1,
-                     "pred_serial_speedup": q.pred_serial_speedup,
-                     "bracketed": bool(q.pred_serial_speedup <= r.speedup <= q.pred_speedup)
-                     if pd.notna(q.draft_host_ms) else None})
+                     "error_no_sample": mine(no_sample, tokens=tokens)["pred_speedup"]
+                     / r.speedup - 1,
+                     "pred_serial_speedup": q["pred_serial_speedup"],
+                     "bracketed": bool(q["pred_serial_speedup"] <= r.speedup
+                                       <= q["pred_speedup"])
+                     if pd.notna(q["draft_host_ms"]) else None})
     return pd.DataFrame(rows)
 
 
@@ -372,6 +443,18 @@ def error_budget(validated: pd.DataFrame, anatomy: pd.DataFrame) -> pd.DataFrame
 def point_prediction(costs: pd.DataFrame, drafts: pd.DataFrame, r, rates,
                       **kw) -> pd.DataFrame:
     """`predict`'s row for the measured point `r` (its layers, eager, draft, k and B) at
-    acceptance `rates`; `kw` goes to `predict`."""
-    p = predict(costs, drafts, rates, ks=[r.k], batches=[r.B], **kw)
-    return p[(p.layers == r.layers) & (p.eager == r.eager) & (p.draft == r.draft)]
+    acceptance `rates`; `kw` (`moe`, `tokens`) as `predict`'s."""
+    curve, by_rows, points = _point(costs, drafts, r)
+    return _with_best(pd.DataFrame(predicted_rows(points, curve, by_rows, rates, r.layers,
+                                                  r.eager, **kw)))
+
+
+def _point(costs: pd.DataFrame, drafts: pd.DataFrame, r) -> tuple:
+    """The measured point `r`'s configuration's plain curves (`_configuration`) and the
+    `drafter_points` of its draft setting at its k and B (none where `predict` has no row
+    for it: its draft setting not among the drafter times', its configuration not in
+    `costs`)."""
+    curve, by_rows, points = _configuration(costs, drafts, r.layers, r.eager, [r.B], [r.k],
+                                            tail=True)
+    ran = ((costs.layers == r.layers) & (costs.eager == r.eager)).any()
+    return curve, by_rows, [p for p in points if ran and p["draft"] == r.draft]

@@ -13,7 +13,6 @@ weight reads.
 
 import json
 import pathlib
-import subprocess
 import sys
 import time
 
@@ -28,12 +27,14 @@ def watched(path: pathlib.Path, step, busy_s: float, idle_s: float):
     path.unlink(missing_ok=True)
     watch = hostwatch.Watch(path).start()
     windows = {}
-    for name, s in (("idle-before", 0), ("busy", busy_s), ("idle-after", 0)):
+    for name in ("idle-before", "busy", "idle-after"):
         t0 = time.time()
-        while s and time.time() - t0 < s:
-            step()
-            torch.cuda.synchronize()
-        time.sleep(0 if s else idle_s)
+        if name == "busy":
+            while time.time() - t0 < busy_s:
+                step()
+                torch.cuda.synchronize()
+        else:
+            time.sleep(idle_s)
         windows[name] = (t0, time.time() - t0)
     time.sleep(1.5)  # the last idle second's sample
     watch.stop()
@@ -44,10 +45,9 @@ out = pathlib.Path(sys.argv[1])
 out.mkdir(parents=True, exist_ok=True)
 path = out / "host.jsonl"
 QUERY = "name,driver_version,clocks.sm,power.draw,temperature.gpu,clocks_event_reasons.active"
-raw = subprocess.run(["nvidia-smi", f"--query-gpu={QUERY}", "--format=csv,noheader,nounits"],
-                     capture_output=True, text=True, check=False)
+raw = gpus._query(QUERY)  # the package's one nvidia-smi query, [] where it fails
 print("torch", torch.__version__, "cuda", torch.version.cuda)
-print("nvidia-smi:", raw.stdout.strip() or raw.stderr.strip())
+print("nvidia-smi:", raw)
 print("gpus.clocks():", gpus.clocks())
 
 a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
@@ -63,7 +63,7 @@ checks = {
     "samples": len(rows) >= 12,
     "every sample has gpu": all("gpu" in r for r in rows),
     "reasons where the driver names them": all("reasons" in r["gpu"] for r in rows
-                                               if "gpu" in r) or "[N/A]" in raw.stdout,
+                                               if "gpu" in r) or any("[N/A]" in row for row in raw),
     "busy power above both idle windows": all(
         seen["busy"]["power_w"] > 1.2 * seen[w]["power_w"] for w in ("idle-before", "idle-after")),
 }

@@ -17,11 +17,12 @@ import torch
 
 from speclab.fixtures import dsv4_reference as R
 from speclab.fixtures import dsv4_rigs as RG
+from speclab.fixtures import dsv4_shapes as SH
 from speclab.fixtures import dsv4_target as T
 from vllm022 import vllm022_tree  # noqa: F401  (session fixture)
 
 torch.set_num_threads(2)
-HIDDEN = T.TINY_DSV4_CONFIG["hidden_size"]
+HIDDEN = SH.TINY_DSV4_CONFIG["hidden_size"]
 
 
 
@@ -59,7 +60,7 @@ def tiny_ref(built):
 
 # --------------------------------------------------------------------------- config / layout
 def test_config_satisfies_vllm022_constraints():
-    cfg = T.dsv4_config()
+    cfg = SH.dsv4_config()
     assert T.check_vllm022_config(cfg) == []
     assert cfg["expert_dtype"] == "fp8"
     assert cfg["quantization_config"] == {"quant_method": "fp8", "fmt": "e4m3",
@@ -70,9 +71,9 @@ def test_config_satisfies_vllm022_constraints():
     assert rs["rope_type"] == "yarn" and rs["factor"] == 1.0
     assert rs["original_max_position_embeddings"] * rs["factor"] == cfg["max_position_embeddings"]
     # What the checks catch:
-    assert T.check_vllm022_config(T.dsv4_config(rope_scaling=None))
-    assert T.check_vllm022_config(T.dsv4_config(compress_ratios=[0, 128, 128, 0]))
-    assert T.check_vllm022_config(T.dsv4_config(moe_intermediate_size=1024))
+    assert T.check_vllm022_config(SH.dsv4_config(rope_scaling=None))
+    assert T.check_vllm022_config(SH.dsv4_config(compress_ratios=[0, 128, 128, 0]))
+    assert T.check_vllm022_config(SH.dsv4_config(moe_intermediate_size=1024))
 
 
 def test_mhc_small_batch_rule_matches_vllm022_kernel(vllm022_tree):  # noqa: F811
@@ -93,7 +94,7 @@ def test_mhc_small_batch_rule_matches_vllm022_kernel(vllm022_tree):  # noqa: F81
                 for t in range(256)}
 
     def problems(hidden: int) -> list[str]:
-        return [p for p in T.check_vllm022_config(T.dsv4_config(hidden_size=hidden))
+        return [p for p in T.check_vllm022_config(SH.dsv4_config(hidden_size=hidden))
                 if "mHC" in p]
 
     for hidden in (512, 1024, 1536, 3072, 4096, 6144):
@@ -113,7 +114,7 @@ def test_checkpoint_layout_matches_vllm022_params(built):
     cfg = json.loads((d["tiny"] / "config.json").read_text())
     stored = _stored(d["tiny"])
     names = {k: (tuple(v.shape), str(v.dtype).replace("torch.", "")) for k, v in stored.items()}
-    assert names == {k: (tuple(s), t) for k, (s, t) in T.checkpoint_names(cfg).items()}
+    assert names == {k: (tuple(s), t) for k, (s, t) in SH.checkpoint_names(cfg).items()}
     assert len(names) == 340 == meta["tiny"]["n_tensors"]
     # Every mapped name is a vLLM 0.22 model parameter and every parameter is covered,
     # with stacked / expert shapes adding up (the device's 143 parameters).
@@ -167,8 +168,8 @@ def test_name_mapping_against_vllm022_source(built, vllm022_tree):  # noqa: F811
     stacked_node = next(n for n in ast.walk(load) if isinstance(n, ast.Assign)
                         and getattr(n.targets[0], "id", "") == "stacked_params_mapping")
     stacked = ast.literal_eval(stacked_node.value)
-    cfg = T.dsv4_config()
-    for name in T.checkpoint_names(cfg):
+    cfg = SH.dsv4_config()
+    for name in SH.checkpoint_names(cfg):
         key = mapper._map_name(name)
         if ".experts." not in key:
             for param, weight, _ in stacked:
@@ -210,7 +211,7 @@ def test_deterministic_from_seed(built, tmp_path):
     again = T.build_tiny_dsv4(tmp_path / "again", seed=0)
     assert again["safetensors_sha256"] == meta["tiny"]["safetensors_sha256"]
     assert _sha(tmp_path / "again" / "config.json") == _sha(d["tiny"] / "config.json")
-    cfg = T.dsv4_config()
+    cfg = SH.dsv4_config()
     a = T.init_dsv4_weights(cfg, 0, T.DSV4Init())
     b = T.init_dsv4_weights(cfg, 1, T.DSV4Init())
     assert not torch.equal(a["embed.weight"], b["embed.weight"])
@@ -448,10 +449,10 @@ def test_draft_configs(built):
     assert "lm_head.weight" not in _stored(d["tiny_draft"])  # shared with the target
     assert "lm_head.weight" in _stored(d["rig_draft"])
     assert json.loads((d["dial0_draft"] / "config.json").read_text())["norm_before_residual"]
-    tcfg = T.dsv4_config()
+    tcfg = SH.dsv4_config()
     for bad in ([0, 1, 2], [1, 2, 5], [1, 1, 2]):
         with pytest.raises(ValueError):
-            RG.dsv4_eagle3_draft_config(tcfg, bad)
+            SH.dsv4_eagle3_draft_config(tcfg, bad)
 
 
 def test_rig_counts_and_streams_stay_embedding(built):

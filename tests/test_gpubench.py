@@ -19,7 +19,8 @@ from speclab import benchworker as W
 from speclab import cudagraphs, hostwatch, memory, steptiming, store, vllm_plugins
 from speclab import gpubench as G
 from speclab import mhcwarm as M
-from speclab.fixtures import realshape, repeat_loader
+from speclab.fixtures import dsv4_shapes as SH
+from speclab.fixtures import repeat_loader
 
 FAKES = Path(__file__).parent / "fakes"
 
@@ -112,7 +113,7 @@ def test_mtp_engines_draft_with_the_targets_own_head(tmp_path, fake_pair, monkey
     assert [e.name for e in b64] == ["L32-k0-graphs", "L32-k2-graphs", "L32-k1-graphs"]
     assert b64[0].extra_batches == (128, 192) and {128, 192} <= set(b64[0].capture_sizes)
     # 192 requests of ~1,100 tokens hold 2.9 GiB of KV: the plain engine gets 3 x 2 GiB
-    need = 192 * memory.kv_request_bytes(realshape.realshape_config(32), "fp8", 1100)
+    need = 192 * memory.kv_request_bytes(SH.realshape_config(32), "fp8", 1100)
     assert P.KV_BYTES < need < b64[0].kv_bytes == 3 * P.KV_BYTES
     # 80 rows at 32 layers and 96 at 24: over the 64 that ran in 2 GiB
     assert [e.kv_bytes for e in (*b64[1:], *final)] == [P.KV_BYTES] * 2 + [2 * P.KV_BYTES] + \
@@ -201,7 +202,7 @@ def test_the_h100_plan_fits_one_engine_at_a_time():
     time; 24 layers (the control) would not."""
     h100 = P.PLANS["timing-h100"]()  # one engine at a time within an H100's 79.6 GiB
     gib = lambda cfg: sum(memory.weight_bytes(cfg)) / memory.GiB
-    weights = {L: gib(cfg := realshape.realshape_config(L)) + gib(realshape.draft_config(cfg))
+    weights = {L: gib(cfg := SH.realshape_config(L)) + gib(SH.realshape_draft_config(cfg))
                for L in (12, 18, 24)}  # target + the EAGLE3.1-shaped draft
     assert [len(g) for g in G.pack_groups(h100, weights, G.CAPACITY * 79.6, 2.5)] == [1] * 5
     assert max(weights[e.layers] + e.kv_bytes / memory.GiB + 2.5 for e in h100) \
@@ -227,7 +228,7 @@ def test_the_held_depth_plan_fits_an_h200_one_engine_at_a_time():
     assert [e.name for e in plan] == ["L36-k0-graphs", "L36-k3-graphs", "L36-k1-graphs"]
     assert plan[0].extra_batches == (2, 8, 32, 64)  # k = 1 and 3's verify rows beside 1, 4, 16
     gib = lambda cfg: sum(memory.weight_bytes(cfg)) / memory.GiB
-    weights = {L: gib(cfg := realshape.realshape_config(L)) + gib(realshape.draft_config(cfg))
+    weights = {L: gib(cfg := SH.realshape_config(L)) + gib(SH.realshape_draft_config(cfg))
                for L in (36, 38)}
     h200 = G.CAPACITY * 140.4
     assert [len(g) for g in G.pack_groups(plan, weights, h200, G.OVERHEAD_GIB)] == [1] * 3

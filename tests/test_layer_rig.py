@@ -20,6 +20,7 @@ from speclab import layerrig as LR
 from speclab import store
 from speclab.fixtures import dsv4_layer_rig as L
 from speclab.fixtures import dsv4_reference as R
+from speclab.fixtures import dsv4_shapes as SH
 from speclab.fixtures import dsv4_target as T
 
 torch.set_num_threads(2)
@@ -80,7 +81,7 @@ def test_real_config_loads_in_vllm022_and_keeps_the_lookup_saturated():
     cfg = L.rig_config()
     assert (cfg["hidden_size"], cfg["vocab_size"], cfg["moe_intermediate_size"],
             cfg["n_shared_experts"]) == (4096, 512, 512, 1)
-    assert T.check_vllm022_loadable(cfg, T.checkpoint_names(cfg)) == []
+    assert T.check_vllm022_loadable(cfg, SH.checkpoint_names(cfg)) == []
     assert L.lookup_drive(cfg, 5.0, 3.0) > 5 * cfg["swiglu_limit"]
     with pytest.raises(ValueError, match="moe_intermediate_size"):
         L.rig_config({"n_shared_experts": 2, "moe_intermediate_size": 256})

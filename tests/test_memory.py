@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from speclab import cli, launch, memory, profiles, store, sweep
-from speclab.fixtures import dsv4_layer_rig, dsv4_rigs, dsv4_target, realshape
+from speclab.fixtures import dsv4_layer_rig
+from speclab.fixtures import dsv4_shapes as SH
 
 V4 = memory.PUBLISHED["deepseek-ai/DeepSeek-V4-Flash"]
 RUNS = Path(__file__).resolve().parents[1] / "data/runs"
@@ -42,7 +43,7 @@ def profile(target: str, tp: int = 1, **engine) -> profiles.Profile:
 @pytest.mark.parametrize("layers,experts,measured", [(4, "fp4", 15.45), (12, "fp4", 42.12),
                                                      (4, "fp8", 26.7)])
 def test_real_shape_weights_within_5_percent_of_vllm(layers, experts, measured):
-    est = loaded_gib(realshape.realshape_config(layers, experts))
+    est = loaded_gib(SH.realshape_config(layers, experts))
     assert est == pytest.approx(measured, rel=0.05)
 
 
@@ -58,9 +59,9 @@ def test_real_shape_with_the_eagle31_draft_within_5_percent_of_vllm():
                     assert e["layers"] == 4 and e["expert_dtype"] == "fp4"
                     took[e["k"] > 0].add(float(m.group(1)))
     assert took == {False: {15.45}, True: {16.26}}
-    cfg = realshape.realshape_config(4)
+    cfg = SH.realshape_config(4)
     assert loaded_gib(cfg) == pytest.approx(15.45, rel=0.05)
-    assert loaded_gib(cfg) + loaded_gib(realshape.draft_config(cfg)) == pytest.approx(
+    assert loaded_gib(cfg) + loaded_gib(SH.realshape_draft_config(cfg)) == pytest.approx(
         16.26, rel=0.05)
 
 
@@ -75,18 +76,18 @@ def test_real_shape_mtp_engine_shares_the_targets_head():
             if m := re.search(r"Model loading took ([\d.]+) GiB", f):
                 took[e.get("method", "eagle3") if e["k"] else "plain"] = float(m.group(1))
     assert took["plain"] == 15.45 and took["mtp"] == 18.80
-    cfg = realshape.realshape_config(4, mtp=True)
-    est = loaded_gib(realshape.realshape_config(4)) + sum(memory.mtp_weight_bytes(cfg)) / memory.GiB
+    cfg = SH.realshape_config(4, mtp=True)
+    est = loaded_gib(SH.realshape_config(4)) + sum(memory.mtp_weight_bytes(cfg)) / memory.GiB
     head = cfg["vocab_size"] * cfg["hidden_size"] * 2 / memory.GiB
     assert est == pytest.approx(took["mtp"], rel=0.01)
     assert (est + head) / took["mtp"] - 1 > 0.04
 
 
 def test_real_shape_per_layer_and_embeddings_as_measured():
-    four, twelve = (loaded_gib(realshape.realshape_config(n)) for n in (4, 12))
+    four, twelve = (loaded_gib(SH.realshape_config(n)) for n in (4, 12))
     per_layer = (twelve - four) / 8
-    fp8 = (loaded_gib(realshape.realshape_config(12, "fp8")) -
-           loaded_gib(realshape.realshape_config(4, "fp8"))) / 8
+    fp8 = (loaded_gib(SH.realshape_config(12, "fp8")) -
+           loaded_gib(SH.realshape_config(4, "fp8"))) / 8
     empty = {**V4, "num_hidden_layers": 0}
     base = loaded_gib(empty) - memory.dsv4_load_bytes(empty, 4096) / memory.GiB
     assert per_layer == pytest.approx(3.33, rel=0.05) and fp8 == pytest.approx(6.2, rel=0.05)
@@ -94,20 +95,20 @@ def test_real_shape_per_layer_and_embeddings_as_measured():
 
 
 def test_published_shapes_are_the_realshape_fixtures_at_43_layers():
-    cfg = realshape.realshape_config(43)
+    cfg = SH.realshape_config(43)
     assert memory.weight_bytes(V4) == pytest.approx(memory.weight_bytes(cfg), rel=1e-6)
     keys = ("hc_mult", "index_topk", "rope_theta", "compress_rope_theta")
     assert {k: V4[k] for k in keys} == {k: cfg[k] for k in keys}
     draft = memory.PUBLISHED["ManiacLabs/DeepSeek-V4-Flash-EAGLE3.1"]
     assert sum(memory.weight_bytes(draft)) == pytest.approx(
-        sum(memory.weight_bytes(realshape.draft_config(cfg))), rel=1e-3)
+        sum(memory.weight_bytes(SH.realshape_draft_config(cfg))), rel=1e-3)
 
 
 def test_tiny_dial_target_and_draft_within_5_percent_of_vllm():
     """dial-dsv4 (+ its draft) on the H200, vLLM 0.26.0 (data/runs/h200-dsv4-dial-20261202-
     vllm026/logs): "Model loading took" 0.41 GiB (k0) and 0.77 GiB (k3, target + draft)."""
-    cfg = dsv4_target.dsv4_config()
-    draft = dsv4_rigs.dsv4_eagle3_draft_config(cfg, intermediate_size=1024)
+    cfg = SH.dsv4_config()
+    draft = SH.dsv4_eagle3_draft_config(cfg, intermediate_size=1024)
     assert loaded_gib(cfg) == pytest.approx(0.41, rel=0.05)
     assert loaded_gib(cfg) + loaded_gib(draft) == pytest.approx(0.77, rel=0.05)
 
@@ -139,7 +140,7 @@ def test_dsv4_kv_per_request_near_vllms_admission_count():
     """dial-dsv4, max_model_len 4096, 4096 batched tokens (cost-026.log): 40.78 GiB of KV held
     350.39 requests at full length, 119.2 MiB each; ours leaves out vLLM's padding of every
     group to one page size (within 10%)."""
-    got = memory.kv_request_bytes(dsv4_target.dsv4_config(), "fp8", 4096, in_flight=4096)
+    got = memory.kv_request_bytes(SH.dsv4_config(), "fp8", 4096, in_flight=4096)
     assert got / memory.MiB == pytest.approx(40.78 * 1024 / 350.39, rel=0.10)
 
 

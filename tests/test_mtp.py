@@ -20,6 +20,7 @@ from vllm022 import vllm_py_tree
 from speclab import methods, mtprig, profiles
 from speclab.fixtures import dsv4_mtp as M
 from speclab.fixtures import dsv4_rigs as RG
+from speclab.fixtures import dsv4_shapes as SH
 from speclab.fixtures import dsv4_target as T
 from speclab.fixtures import realshape
 
@@ -94,7 +95,7 @@ def test_checkpoint_has_what_vllms_mtp_loader_asks_for(built):
         assert stored[k + ".weight"].float().abs().max() == 0
     # the target's tensors are the dial target's
     tnames = {k for k in names if not k.startswith("mtp.")}
-    assert tnames == set(T.checkpoint_names(T.dsv4_config()))
+    assert tnames == set(SH.checkpoint_names(SH.dsv4_config()))
     assert meta["bigram_accuracy"] == 1.0 and meta["mtp_accuracy"] == 1.0
     assert meta["mtp_min_margin"] > 20
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from speclab.fixtures import dsv4_shapes as SH
 from speclab.fixtures import dsv4_target as T
 from speclab.fixtures import realshape as R
 from speclab.fixtures import repeat_loader
@@ -18,7 +19,7 @@ SMALL = {"vocab_size": 2048, "n_routed_experts": 16, "moe_intermediate_size": 25
 
 
 def test_config_is_the_published_one():
-    c = R.realshape_config(43)
+    c = SH.realshape_config(43)
     assert (c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"],
             c["head_dim"], c["qk_rope_head_dim"]) == (4096, 64, 1, 512, 64)
     assert (c["q_lora_rank"], c["o_lora_rank"], c["o_groups"], c["vocab_size"]) == \
@@ -30,11 +31,11 @@ def test_config_is_the_published_one():
         ("fp4", "sqrtsoftplus", 128, 4)
     assert (c["index_n_heads"], c["index_head_dim"], c["index_topk"]) == (64, 128, 512)
     with pytest.raises(ValueError, match="expert_dtype"):
-        R.realshape_config(4, "int4")
+        SH.realshape_config(4, "int4")
 
 
 def test_mxfp4_layout_and_round_trip():
-    names = T.checkpoint_names(R.realshape_config(4))
+    names = SH.checkpoint_names(SH.realshape_config(4))
     assert names["layers.3.ffn.experts.255.w1.weight"] == ((2048, 2048), "uint8")
     assert names["layers.3.ffn.experts.255.w1.scale"] == ((2048, 128), "uint8")
     assert names["layers.3.ffn.experts.0.w2.weight"] == ((4096, 1024), "uint8")
@@ -57,8 +58,8 @@ def test_mxfp4_layout_and_round_trip():
 
 @pytest.fixture(scope="module")
 def pair(module_tmp, monkeypatch_module):
-    monkeypatch_module.setattr(R, "REAL_CONFIG", {**R.REAL_CONFIG, **SMALL})
-    monkeypatch_module.setattr(R, "DRAFT_VOCAB", 1024)
+    monkeypatch_module.setattr(SH, "REAL_CONFIG", {**SH.REAL_CONFIG, **SMALL})
+    monkeypatch_module.setattr(SH, "DRAFT_VOCAB", 1024)
     root = module_tmp
     meta4 = R.build_realshape_dsv4(root / "t4", seed=0, num_layers=4)
     meta5 = R.build_realshape_dsv4(root / "t5", seed=0, num_layers=5)
@@ -80,7 +81,7 @@ def test_targets_share_layer_shards_and_read_out_their_bigram(pair):
     assert (root / "t4" / "layer-03.safetensors").resolve() == \
         (root / "t5" / "layer-03.safetensors").resolve()
     idx = json.loads((root / "t5" / R.INDEX).read_text())
-    assert set(idx["weight_map"]) == set(T.checkpoint_names(
+    assert set(idx["weight_map"]) == set(SH.checkpoint_names(
         json.loads((root / "t5" / "config.json").read_text())))
     with safe_open(str(root / "t4" / "layer-03.safetensors"), "pt") as f:
         assert f.get_tensor("layers.3.ffn.experts.0.w2.weight").count_nonzero() == 0  # eps = 0
@@ -228,7 +229,7 @@ def test_a_deep_target_stores_one_layer_per_kind_and_the_loader_yields_every_lay
                 for k in f.keys():  # noqa: SIM118 (safe_open is no dict)
                     yield k, f.get_tensor(k)
 
-    want = set(T.checkpoint_names(cfg))
+    want = set(SH.checkpoint_names(cfg))
     assert {n for n, _ in stored()} < want  # the control: layers 1, 5-8 missing
     got = dict(repeat_loader.expand(stored(), sources))
     assert set(got) == want

@@ -205,7 +205,7 @@ def _local_dir(ref: str) -> Path | None:
 def weight_bytes(cfg: dict) -> tuple[float, float]:
     """(bytes vLLM shards over TP, bytes every rank keeps) of a checkpoint, from its config.
 
-    DeepSeek-V4: every tensor of `fixtures.dsv4_target.tensor_specs` at its dtype; block-FP8
+    DeepSeek-V4: every tensor of `fixtures.dsv4_shapes.tensor_specs` at its dtype; block-FP8
     weights 1 B + a float32 scale per 128 x 128 block; `expert_dtype` fp4 (MXFP4) routed
     experts 0.5 B + one e8m0 byte per 32 weights. Llama targets and EAGLE-3 drafts: the
     parameter count of their linears, embedding and head at `torch_dtype` (a draft without
@@ -229,13 +229,13 @@ def weight_bytes(cfg: dict) -> tuple[float, float]:
 
 
 def _dsv4_weight_bytes(cfg: dict) -> tuple[float, float]:
-    from speclab.fixtures.dsv4_target import tensor_specs
+    from speclab.fixtures.dsv4_shapes import tensor_specs
 
     return _spec_bytes(tensor_specs(cfg))
 
 
 def _spec_bytes(specs) -> tuple[float, float]:
-    from speclab.fixtures.dsv4_target import FP8_BLOCK, MXFP4_BLOCK
+    from speclab.fixtures.dsv4_shapes import FP8_BLOCK, MXFP4_BLOCK
 
     sharded = kept = 0.0
     for s in specs:
@@ -256,7 +256,7 @@ def _spec_bytes(specs) -> tuple[float, float]:
 def routed_expert_bytes(cfg: dict) -> float:
     """One routed expert's weights (w1, w2, w3) of a DeepSeek-V4 config, as `weight_bytes`
     counts them."""
-    from speclab.fixtures.dsv4_target import tensor_specs
+    from speclab.fixtures.dsv4_shapes import tensor_specs
 
     one = {**cfg, "num_hidden_layers": 1, "compress_ratios": cfg["compress_ratios"][:1]}
     return sum(_spec_bytes([s for s in tensor_specs(one) if ".ffn.experts.0." in s.name]))
@@ -272,7 +272,7 @@ def mtp_weight_bytes(cfg: dict) -> tuple[float, float]:
     `_maybe_share_lm_head`; 0.34 `v1/worker/gpu/spec_decode/eagle/utils.py`
     `load_eagle_model`), so they hold no memory of their own (a 4-layer real-shape MTP engine,
     H100 2026-12-05: "Model loading took" 18.80 GiB, 19.78 estimated with a head of its own)."""
-    from speclab.fixtures.dsv4_target import TensorSpec, tensor_specs
+    from speclab.fixtures.dsv4_shapes import TensorSpec, tensor_specs
 
     n, L, H = cfg.get("num_nextn_predict_layers") or 0, cfg["num_hidden_layers"], cfg["hidden_size"]
     ratios = list(cfg["compress_ratios"][:L])

@@ -71,9 +71,9 @@ def warm(config: dict, sizes: list[int]) -> int:
 def start_warm(state: Path, procs: int = 8) -> list[subprocess.Popen]:
     """`procs` processes compiling the mHC variants (`mhc_warm_sizes`) side by side."""
     from speclab import launch
-    from speclab.fixtures import realshape
+    from speclab.fixtures import dsv4_shapes as SH
 
-    cfg = json.dumps(realshape.realshape_config(4))
+    cfg = json.dumps(SH.realshape_config(4))
     sizes = mhc_warm_sizes()
     (state / "logs").mkdir(parents=True, exist_ok=True)
     out = []

@@ -146,9 +146,9 @@ def expert_bytes(dtype: str = "fp4") -> float:
     """One routed expert of DeepSeek-V4-Flash with `dtype` experts (`memory.routed_expert_bytes`:
     MXFP4 0.5 B a weight + an e8m0 scale per 32, or block-FP8 with its scales)."""
     from speclab import memory
-    from speclab.fixtures import realshape
+    from speclab.fixtures import dsv4_shapes as SH
 
-    return memory.routed_expert_bytes(realshape.realshape_config(1, dtype))
+    return memory.routed_expert_bytes(SH.realshape_config(1, dtype))
 
 
 def divided_ms(beta: float, layers: int, k: int = 0, dtype: str = "fp4",
@@ -166,16 +166,16 @@ def divided_ms(beta: float, layers: int, k: int = 0, dtype: str = "fp4",
 @functools.cache
 def _divided_bytes(layers: int, dtype: str) -> tuple[float, dict[str, float]]:
     from speclab import memory
-    from speclab.fixtures import realshape
+    from speclab.fixtures import dsv4_shapes as SH
 
     routed = predict.MOE[0] * expert_bytes(dtype)
-    layer = (memory.weight_bytes(realshape.realshape_config(5, dtype))[0]
-             - memory.weight_bytes(realshape.realshape_config(4, dtype))[0] - routed)
-    cfg = realshape.realshape_config(layers, dtype)
+    layer = (memory.weight_bytes(SH.realshape_config(5, dtype))[0]
+             - memory.weight_bytes(SH.realshape_config(4, dtype))[0] - routed)
+    cfg = SH.realshape_config(layers, dtype)
     head = cfg["vocab_size"] * cfg["hidden_size"] * BF16
     # the MTP block reads the target's head, which it shares (`memory.mtp_weight_bytes`)
-    mtp = memory.mtp_weight_bytes(realshape.realshape_config(layers, dtype, mtp=True))[0] + head
-    return layers * layer + head, {"eagle3": memory.weight_bytes(realshape.draft_config(cfg))[0],
+    mtp = memory.mtp_weight_bytes(SH.realshape_config(layers, dtype, mtp=True))[0] + head
+    return layers * layer + head, {"eagle3": memory.weight_bytes(SH.realshape_draft_config(cfg))[0],
                                    "mtp": mtp - routed}
 
 

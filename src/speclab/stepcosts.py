@@ -328,7 +328,7 @@ def memory_check(runs) -> pd.DataFrame:
 
     from speclab import memory
     from speclab.benchworker import MAX_BATCHED
-    from speclab.fixtures import realshape
+    from speclab.fixtures import dsv4_shapes as SH
 
     rows = []
     for e in engines(runs):
@@ -338,14 +338,14 @@ def memory_check(runs) -> pd.DataFrame:
             continue
         batched = [int(m.group(1)) for f in e.get("log_facts", [])
                    if (m := re.search(r"'max_num_batched_tokens': (\d+)", f))]
-        cfg = realshape.realshape_config(e["layers"], e.get("expert_dtype", "fp4"))
+        cfg = SH.realshape_config(e["layers"], e.get("expert_dtype", "fp4"))
         est = memory.per_gpu(memory.Files(config=cfg, source="config"), 1,
                              (batched or [MAX_BATCHED])[-1])[0]
         if e["k"] and e.get("method") == "mtp":  # the target's own mtp.0
-            est += sum(memory.mtp_weight_bytes(realshape.realshape_config(
+            est += sum(memory.mtp_weight_bytes(SH.realshape_config(
                 e["layers"], e.get("expert_dtype", "fp4"), mtp=True)))
         elif e["k"]:
-            est += sum(memory.weight_bytes(realshape.draft_config(cfg)))
+            est += sum(memory.weight_bytes(SH.realshape_draft_config(cfg)))
         rows.append({"run": e["run"], "engine": e["engine"], "estimate_gib": est / 2 ** 30,
                      "vllm_gib": took[-1], "error": est / 2 ** 30 / took[-1] - 1})
     cols = ["run", "engine", "estimate_gib", "vllm_gib", "error"]

@@ -15,6 +15,7 @@ import pytest
 from speclab import fixtures, profiles, prompts, studies
 from speclab.fixtures import dsv4_layer_rig as LR
 from speclab.fixtures import dsv4_rigs as RG
+from speclab.fixtures import dsv4_shapes as SH
 from speclab.fixtures import realshape as R
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -270,14 +271,14 @@ def test_ray_realshapes_profile_runs_batch_1_graphs_within_the_draft_vocabulary(
                                          "fixture:realshape-dsv4-eagle3")
     assert R.TARGET_DEFAULTS["num_layers"] == 4 and prof.timed_passes >= 3
     assert prof.engine["max_num_seqs"] == 1 and prof.engine["enforce_eager"] is False
-    succ, _ = RG.dial_successors(R.REAL_CONFIG["vocab_size"], 0, R.TARGET_DEFAULTS["mismatch"])
+    succ, _ = RG.dial_successors(SH.REAL_CONFIG["vocab_size"], 0, R.TARGET_DEFAULTS["mismatch"])
     k = max(prof.grid.num_speculative_tokens)
     rows = prompts.load(profiles.prompt_file(prof))
     assert len(rows) == 4
     for row in rows:
         ids = row.prompt_token_ids
         cont = R.greedy(succ.tolist(), ids, prof.max_tokens + k + LR.EXTRA_TOKENS)
-        assert len(ids) == 256 and max(*ids, *cont) < R.DRAFT_VOCAB, row.id
+        assert len(ids) == 256 and max(*ids, *cont) < SH.DRAFT_VOCAB, row.id
 
 
 def test_gpu_tag_names_the_model_and_the_ray_run_folder_carries_it():

@@ -37,6 +37,7 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from speclab import gpus
+from speclab.fixtures.dsv4_shapes import FP8_BLOCK, MXFP4_BLOCK, TensorSpec, tensor_specs
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -229,14 +230,10 @@ def weight_bytes(cfg: dict) -> tuple[float, float]:
 
 
 def _dsv4_weight_bytes(cfg: dict) -> tuple[float, float]:
-    from speclab.fixtures.dsv4_shapes import tensor_specs
-
     return _spec_bytes(tensor_specs(cfg))
 
 
 def _spec_bytes(specs) -> tuple[float, float]:
-    from speclab.fixtures.dsv4_shapes import FP8_BLOCK, MXFP4_BLOCK
-
     sharded = kept = 0.0
     for s in specs:
         n = math.prod(s.shape)
@@ -256,8 +253,6 @@ def _spec_bytes(specs) -> tuple[float, float]:
 def routed_expert_bytes(cfg: dict) -> float:
     """One routed expert's weights (w1, w2, w3) of a DeepSeek-V4 config, as `weight_bytes`
     counts them."""
-    from speclab.fixtures.dsv4_shapes import tensor_specs
-
     one = {**cfg, "num_hidden_layers": 1, "compress_ratios": cfg["compress_ratios"][:1]}
     return sum(_spec_bytes([s for s in tensor_specs(one) if ".ffn.experts.0." in s.name]))
 
@@ -272,8 +267,6 @@ def mtp_weight_bytes(cfg: dict) -> tuple[float, float]:
     `_maybe_share_lm_head`; 0.34 `v1/worker/gpu/spec_decode/eagle/utils.py`
     `load_eagle_model`), so they hold no memory of their own (a 4-layer real-shape MTP engine,
     H100 2026-12-05: "Model loading took" 18.80 GiB, 19.78 estimated with a head of its own)."""
-    from speclab.fixtures.dsv4_shapes import TensorSpec, tensor_specs
-
     n, L, H = cfg.get("num_nextn_predict_layers") or 0, cfg["num_hidden_layers"], cfg["hidden_size"]
     ratios = list(cfg["compress_ratios"][:L])
     full = {**cfg, "num_hidden_layers": L + 1,

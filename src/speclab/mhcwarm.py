@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from speclab.benchworker import MAX_BATCHED
+from speclab.fixtures import dsv4_shapes as SH
 
 SMS = 132  # streaming multiprocessors of an H100 / H200
 
@@ -71,7 +72,6 @@ def warm(config: dict, sizes: list[int]) -> int:
 def start_warm(state: Path, procs: int = 8) -> list[subprocess.Popen]:
     """`procs` processes compiling the mHC variants (`mhc_warm_sizes`) side by side."""
     from speclab import launch
-    from speclab.fixtures import dsv4_shapes as SH
 
     cfg = json.dumps(SH.realshape_config(4))
     sizes = mhc_warm_sizes()

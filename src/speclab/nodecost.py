@@ -44,6 +44,7 @@ import numpy as np
 import pandas as pd
 
 from speclab import cudagraphs, predict
+from speclab.fixtures import dsv4_shapes as SH
 
 HIDDEN = 4096  # DeepSeek-V4-Flash's hidden_size
 BF16 = 2
@@ -146,7 +147,6 @@ def expert_bytes(dtype: str = "fp4") -> float:
     """One routed expert of DeepSeek-V4-Flash with `dtype` experts (`memory.routed_expert_bytes`:
     MXFP4 0.5 B a weight + an e8m0 scale per 32, or block-FP8 with its scales)."""
     from speclab import memory
-    from speclab.fixtures import dsv4_shapes as SH
 
     return memory.routed_expert_bytes(SH.realshape_config(1, dtype))
 
@@ -166,7 +166,6 @@ def divided_ms(beta: float, layers: int, k: int = 0, dtype: str = "fp4",
 @functools.cache
 def _divided_bytes(layers: int, dtype: str) -> tuple[float, dict[str, float]]:
     from speclab import memory
-    from speclab.fixtures import dsv4_shapes as SH
 
     routed = predict.MOE[0] * expert_bytes(dtype)
     layer = (memory.weight_bytes(SH.realshape_config(5, dtype))[0]
@@ -175,8 +174,8 @@ def _divided_bytes(layers: int, dtype: str) -> tuple[float, dict[str, float]]:
     head = cfg["vocab_size"] * cfg["hidden_size"] * BF16
     # the MTP block reads the target's head, which it shares (`memory.mtp_weight_bytes`)
     mtp = memory.mtp_weight_bytes(SH.realshape_config(layers, dtype, mtp=True))[0] + head
-    return layers * layer + head, {"eagle3": memory.weight_bytes(SH.realshape_draft_config(cfg))[0],
-                                   "mtp": mtp - routed}
+    eagle3 = memory.weight_bytes(SH.realshape_draft_config(cfg))[0]
+    return layers * layer + head, {"eagle3": eagle3, "mtp": mtp - routed}
 
 
 def node_draft(t_draft: float, k: int, B: int, beta: float, gpus: int, tp: str, corner: str,

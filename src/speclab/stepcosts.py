@@ -18,6 +18,7 @@ import numpy as np
 import pandas as pd
 
 from speclab import analysis, cudagraphs, provenance, steptiming
+from speclab.fixtures import dsv4_shapes as SH
 
 
 def run_dirs(runs) -> list[Path]:
@@ -328,7 +329,6 @@ def memory_check(runs) -> pd.DataFrame:
 
     from speclab import memory
     from speclab.benchworker import MAX_BATCHED
-    from speclab.fixtures import dsv4_shapes as SH
 
     rows = []
     for e in engines(runs):

@@ -11,8 +11,18 @@ import pytest
 import yaml
 from fake_requests import requests
 
-from speclab import (convention, convention_compare, engine, explorer, parity, preflight, profiles,
-                     report, store, sweep)
+from speclab import (
+    convention,
+    convention_compare,
+    engine,
+    explorer,
+    parity,
+    preflight,
+    profiles,
+    report,
+    store,
+    sweep,
+)
 from speclab.profiles import REPO, ProfileError
 
 EAGLE31 = {"architectures": ["LlamaForCausalLMEagle3"],

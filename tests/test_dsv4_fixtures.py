@@ -14,12 +14,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from vllm022 import vllm022_tree  # noqa: F401  (session fixture)
 
 from speclab.fixtures import dsv4_reference as R
 from speclab.fixtures import dsv4_rigs as RG
 from speclab.fixtures import dsv4_shapes as SH
 from speclab.fixtures import dsv4_target as T
-from vllm022 import vllm022_tree  # noqa: F401  (session fixture)
 
 torch.set_num_threads(2)
 HIDDEN = SH.TINY_DSV4_CONFIG["hidden_size"]

@@ -20,8 +20,18 @@ import numpy as np
 import pytest
 import yaml
 
-from speclab import (analysis, cli, fingerprint, launch, preflight, profiles, runlock, server,
-                     store, sweep)
+from speclab import (
+    analysis,
+    cli,
+    fingerprint,
+    launch,
+    preflight,
+    profiles,
+    runlock,
+    server,
+    store,
+    sweep,
+)
 from speclab.profiles import REPO, Point
 
 TESTS = Path(__file__).parent

@@ -17,8 +17,18 @@ from pathlib import Path
 import nbformat
 import pandas as pd
 
-from speclab import (convention, memory, paths, preflight, profiles, progress, provenance,
-                     stepcosts, store, summary)
+from speclab import (
+    convention,
+    memory,
+    paths,
+    preflight,
+    profiles,
+    progress,
+    provenance,
+    stepcosts,
+    store,
+    summary,
+)
 from speclab.notebook import MIME
 
 NOTEBOOK_DIR = paths.RESOURCES / "notebooks"

@@ -28,8 +28,18 @@ from pathlib import Path
 
 import httpx
 
-from speclab import (convention, engine, fingerprint, launch, methods, metrics, prompts,
-                     revisions, runlock, store)
+from speclab import (
+    convention,
+    engine,
+    fingerprint,
+    launch,
+    methods,
+    metrics,
+    prompts,
+    revisions,
+    runlock,
+    store,
+)
 from speclab.profiles import Point, Profile, prompt_file, resolve_model
 
 log = logging.getLogger(__name__)

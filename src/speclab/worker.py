@@ -18,8 +18,17 @@ from pathlib import Path
 
 import numpy as np
 
-from speclab import (convention, engine, fingerprint, launch, methods, metrics, prompts,
-                     revisions, store)
+from speclab import (
+    convention,
+    engine,
+    fingerprint,
+    launch,
+    methods,
+    metrics,
+    prompts,
+    revisions,
+    store,
+)
 from speclab.profiles import Point, Profile, prompt_file, resolve_model
 
 

@@ -472,11 +472,16 @@ def test_a_real_engine_process_dies_with_its_parent(tmp_path, fixture_cache, chi
                    for f in (run_dir / "logs").glob("*.log")) if (run_dir / "logs").is_dir() \
             else False
 
-    assert wait_for(starting_engine, 300), f"no {child} started its engine"
-    assert processes_naming(name), f"the {child} ended before its parent was killed"
+    def logs() -> str:  # what the failure messages show
+        return "\n".join(f"--- {f.name}\n{launch.tail(f, 15)}"
+                         for f in sorted((run_dir / "logs").glob("*.log")))
+
+    assert wait_for(starting_engine, 300), f"no {child} started its engine\n{logs()}"
+    assert processes_naming(name), f"the {child} ended before its parent was killed\n{logs()}"
     parent.kill()
     parent.wait()
-    assert wait_for(lambda: not processes_naming(name), 5), f"the {child} outlived its parent"
+    assert wait_for(lambda: not processes_naming(name), 5), \
+        f"the {child} outlived its parent\n{logs()}"
 
 
 # --------------------------------------------------------------------- early checks

@@ -88,6 +88,19 @@ def warnings_logged():
         logging.getLogger("speclab").removeHandler(h)
 
 
+@contextmanager
+def running(args: list[str], env: dict[str, str]):
+    """`python ARGS` for the block; killed at its end if still running, so that a failed
+    assertion leaves no sweep behind."""
+    proc = subprocess.Popen([sys.executable, *args], env=env)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def sweep_run(path, run_dir, overrides=None, **kw):
     with warnings_logged() as msgs:
         res = sweep.run(profiles.load(path, overrides), run_dir, **kw)
@@ -434,13 +447,12 @@ def test_a_killed_sweep_takes_its_worker_and_the_workers_children_along(prof_pat
     """The worker forked from a zygote (CPU backend) or started with `python -m`."""
     run_dir = tmp_path / "run"
     env = {**os.environ, "TRUST_SLEEP": "60", "TRUST_CHILD": "1", launch.FORK_ENV: fork}
-    parent = subprocess.Popen([sys.executable, "-c", SWEEP, str(prof_path), str(run_dir),
-                               "trust_worker"], env=env)
-    assert wait_for(lambda: starts(fake) and len(processes_naming(str(run_dir))) >= 3, 120)
-    parent.kill()
-    parent.wait()
-    assert wait_for(lambda: not processes_naming(str(run_dir)), 5), \
-        f"left running: {processes_naming(str(run_dir))}"
+    with running(["-c", SWEEP, str(prof_path), str(run_dir), "trust_worker"], env) as parent:
+        assert wait_for(lambda: starts(fake) and len(processes_naming(str(run_dir))) >= 3, 120)
+        parent.kill()
+        parent.wait()
+        assert wait_for(lambda: not processes_naming(str(run_dir)), 5), \
+            f"left running: {processes_naming(str(run_dir))}"
     assert not list((run_dir / "results").glob("*.json"))
 
 
@@ -465,7 +477,6 @@ def test_a_real_engine_process_dies_with_its_parent(tmp_path, fixture_cache, chi
     args, name = {"worker": ([SWEEP, "tiny-cpu", str(run_dir), "speclab.worker"],
                              f"{run_dir}/logs/"),
                   "multipass": ([GROUPS, str(run_dir)], f"{run_dir}/logs/group-noise.spec")}[child]
-    parent = subprocess.Popen([sys.executable, "-c", *args], env=env)
 
     def starting_engine() -> bool:
         return any("Initializing a V1 LLM engine" in f.read_text(errors="replace")
@@ -476,12 +487,13 @@ def test_a_real_engine_process_dies_with_its_parent(tmp_path, fixture_cache, chi
         return "\n".join(f"--- {f.name}\n{launch.tail(f, 15)}"
                          for f in sorted((run_dir / "logs").glob("*.log")))
 
-    assert wait_for(starting_engine, 300), f"no {child} started its engine\n{logs()}"
-    assert processes_naming(name), f"the {child} ended before its parent was killed\n{logs()}"
-    parent.kill()
-    parent.wait()
-    assert wait_for(lambda: not processes_naming(name), 5), \
-        f"the {child} outlived its parent\n{logs()}"
+    with running(["-c", *args], env) as parent:
+        assert wait_for(starting_engine, 300), f"no {child} started its engine\n{logs()}"
+        assert processes_naming(name), f"the {child} ended before its parent was killed\n{logs()}"
+        parent.kill()
+        parent.wait()
+        assert wait_for(lambda: not processes_naming(name), 5), \
+            f"the {child} outlived its parent\n{logs()}"
 
 
 # --------------------------------------------------------------------- early checks

@@ -3,6 +3,7 @@ predictions recover measured speedups; a model that drops the drafter's time or 
 verify step as one plain step misses them (the controls)."""
 
 import functools
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -12,6 +13,7 @@ from speclab import cudagraphs, hostwatch, layerfit, predict, predictreport, ste
 
 N = 128
 RATES = (0.7, 0.5, 0.35, 0.25, 0.18)
+COMMITTED = Path(__file__).resolve().parents[1] / "data/runs"  # the committed GPU runs
 
 
 def t_plain(n, layers=4):
@@ -143,12 +145,9 @@ def test_the_h200_tails_are_predicted_from_acceptance():
     matches the one the split passes measured (their GPU time over all decode steps, per
     round a request ran, less the step at B) within 0.15 ms at B = 16, where it is 0.7-1.0
     ms; a model without it is off by that much (the control)."""
-    from pathlib import Path
-
-    runs = Path(__file__).resolve().parents[1] / "data/runs"
     for name, ks in (("h200-realshape-20261204-vllm026-graphs", (1, 3)),
                      ("h200-realshape-20261205-vllm026-deeprest", (2,))):
-        res = stepcosts.load(runs / name)
+        res = stepcosts.load(COMMITTED / name)
         v = predict.validate(res).set_index(["layers", "draft", "k", "B"])
         a = stepcosts.step_anatomy(res).set_index(["layers", "draft", "k", "B"])
         for k in ks:
@@ -431,9 +430,7 @@ def test_report_of_a_run_that_only_served(tmp_path):
     reports its served speedups and weights, no cost model; its warm-up rounds alone (the
     control) are still refused."""
     import json
-    from pathlib import Path
-
-    src = Path(__file__).resolve().parents[1] / "data/runs/h100-realshape-20261206-vllm026-serverepeat"
+    src = COMMITTED / "h100-realshape-20261206-vllm026-serverepeat"
     md = predictreport.report(src, out_dir=tmp_path / "report").read_text()
     assert "Only engines behind `vllm serve` ran" in md and "## Behind `vllm serve`" in md
     assert "## Predicted vs measured" not in md and "## Weights: estimate vs vLLM" in md
@@ -451,9 +448,7 @@ def test_report_of_a_run_that_only_served(tmp_path):
 def test_memory_check_against_the_h200_loading_lines():
     """The committed real-shape run: 15.45 GiB (plain) and 16.26 GiB (with the draft) loaded;
     the estimate from the config alone is within 1%."""
-    from pathlib import Path
-
-    run = Path(__file__).resolve().parents[1] / "data/runs/h200-realshape-20261202-vllm026"
+    run = COMMITTED / "h200-realshape-20261202-vllm026"
     mem = stepcosts.memory_check(run)
     assert set(mem.vllm_gib.round(2)) == {15.45, 16.26}
     assert mem.error.abs().max() < 0.01
@@ -551,11 +546,9 @@ def test_the_committed_drafter_graphs_run_is_exact_and_predicted_within_five_per
     re-read from its files: every pass exact, k = 3 at B = 1 faster than plain with its
     interval above 1.3, every predicted point within 5%; a pass with one counter off by one
     is not exact (the control)."""
-    from pathlib import Path
-
     from speclab import gpubench, store
 
-    run = Path(__file__).resolve().parents[1] / "data/runs/h200-realshape-20261204-vllm026-graphs"
+    run = COMMITTED / "h200-realshape-20261204-vllm026-graphs"
     passes = [r for r in store.read_jsonl(run / "results.jsonl") if r["op"] == "pass"]
     assert len(passes) == 88 and all(map(gpubench.pass_exact, passes))
     assert {r["engine"] for r in passes if r["k"]} >= {"L4-k3-graphs", "L32-k1-graphs",
@@ -699,9 +692,7 @@ def test_the_committed_h200_runs_pool_and_the_mtp_head_is_predicted():
     MTP head (2026-12-05, every draft accepted) gives k = 3 over 2x at B = 1, and the cost
     model predicts its four points within 5%; at 43 layers both methods are predicted, each
     at its published acceptance."""
-    from pathlib import Path
-
-    runs = [Path(__file__).resolve().parents[1] / "data/runs" / n
+    runs = [COMMITTED / n
             for n in ("h200-realshape-20261204-vllm026-graphs",
                       "h200-realshape-20261205-vllm026-deeprest",
                       "h200-realshape-20261205-vllm026-next")]
@@ -855,10 +846,7 @@ def test_the_h100_served_points_match_offline_and_its_b1_miss_is_host_time():
     gives the offline acceptance and a speedup inside the offline interval at B = 1 and 16;
     the model misses by 4-6% at B = 16 and by 19-30% at B = 1, where most of the miss is the
     GPU waiting for the host (`idle_ms`), which the 32-layer H200 run (the control) lacks."""
-    from pathlib import Path
-
-    runs = Path(__file__).resolve().parents[1] / "data/runs"
-    res = stepcosts.load(runs / "h100-realshape-20261206-vllm026-serve18")
+    res = stepcosts.load(COMMITTED / "h100-realshape-20261206-vllm026-serve18")
     v = predict.validate(res).set_index(["k", "B"])
     served = stepcosts.serve_costs(res).query("k == 3").set_index("B")
     for B in (1, 16):
@@ -868,7 +856,7 @@ def test_the_h100_served_points_match_offline_and_its_b1_miss_is_host_time():
     b = predict.error_budget(predict.validate(res), stepcosts.step_anatomy(res))
     b1 = b[b.B == 1]
     assert len(b1) == 2 and (b1.error > 0.15).all() and (b1.idle_ms > 0.6 * b1.err_ms).all()
-    h200 = stepcosts.step_anatomy(stepcosts.load(runs / "h200-realshape-20261204-vllm026-graphs"))
+    h200 = stepcosts.step_anatomy(stepcosts.load(COMMITTED / "h200-realshape-20261204-vllm026-graphs"))
     assert (h200.query("layers == 32 and B == 1 and k > 0").idle_ms.abs() < 0.25).all()
 
 
@@ -878,16 +866,13 @@ def test_a_second_h100_shows_no_host_wait_at_b1_so_the_wait_was_the_machines():
     longer), the split passes place no gap before either call, and the model's B = 1 error
     at 18 layers, k = 3, is within 5% and its speedup's interval excludes 1×; the first
     H100's run of the same point (the control) missed by more than 15%."""
-    from pathlib import Path
-
-    runs = Path(__file__).resolve().parents[1] / "data/runs"
-    res = stepcosts.load(runs / "h100-realshape-20261206-vllm026-host")
+    res = stepcosts.load(COMMITTED / "h100-realshape-20261206-vllm026-host")
     a = stepcosts.step_anatomy(res)
     b1 = a[a.B == 1]
     assert set(b1.layers) == {12, 18} and (b1.idle_ms.abs() < 0.25).all()
     assert (a.gap_execute_ms < 0.01).all() and (a.gap_sample_ms < 0.01).all()
     v = predict.validate(res).set_index(["layers", "k", "B"])
-    first = predict.validate(stepcosts.load(runs / "h100-realshape-20261206-vllm026-serve18"))
+    first = predict.validate(stepcosts.load(COMMITTED / "h100-realshape-20261206-vllm026-serve18"))
     assert abs(v.loc[(18, 3, 1), "error"]) < 0.05
     assert first.set_index(["k", "B"]).loc[(3, 1), "error"] > 0.15
     assert v.loc[(18, 3, 1), "speedup_lo"] > 1
@@ -900,10 +885,7 @@ def test_the_fourth_h100_serves_at_the_model_while_its_offline_rounds_wait(tmp_p
     its own B), while the offline B = 1 point misses by more than 10%: its rounds spread from
     the served step to 30% above it. The first H100's served run (the control) misses by
     more than 15% at B = 1; a run that only served gets no model column and no such table."""
-    from pathlib import Path
-
-    runs = Path(__file__).resolve().parents[1] / "data/runs"
-    res = stepcosts.load(runs / "h100-realshape-20261206-vllm026-serveoffline")
+    res = stepcosts.load(COMMITTED / "h100-realshape-20261206-vllm026-serveoffline")
     val = predict.validate(res)
     m = predict.served_vs_model(stepcosts.serve_costs(res), val).set_index("B")
     v = val.set_index(["k", "B"])
@@ -914,11 +896,11 @@ def test_the_fourth_h100_serves_at_the_model_while_its_offline_rounds_wait(tmp_p
     assert v.loc[(3, 1), "error"] > 0.10
     steps = stepcosts.passes(res, 128).query("k == 3 and B == 1 and round >= 1").step_ms
     assert steps.max() > 1.25 * m.loc[1, "step_ms"] and steps.min() < 1.01 * m.loc[1, "step_ms"]
-    first = stepcosts.load(runs / "h100-realshape-20261206-vllm026-serve18")
+    first = stepcosts.load(COMMITTED / "h100-realshape-20261206-vllm026-serve18")
     f = predict.served_vs_model(stepcosts.serve_costs(first),
                                 predict.validate(first)).set_index("B")
     assert f.loc[1, "error"] > 0.15 and not f.loc[1, "pred_in_ci"]
-    src = runs / "h100-realshape-20261206-vllm026-serverepeat"
+    src = COMMITTED / "h100-realshape-20261206-vllm026-serverepeat"
     only = stepcosts.serve_costs(stepcosts.load(src))
     assert predict.served_vs_model(only, pd.DataFrame()).pred_speedup.isna().all()
     md = predictreport.report(src, out_dir=tmp_path / "report").read_text()
@@ -930,10 +912,7 @@ def test_the_serial_bound_prices_the_drafters_host_time():
     host time under the GPU time changes nothing, a doubled one lowers the bound, none gives
     NaN. On the committed H200 set at 43 layers it moves EAGLE-3's best k at B = 1 from 3
     (1.50x) to 2 (host 2.1 ms a step against 3.7 ms at k = 3)."""
-    from pathlib import Path
-
-    runs = Path(__file__).resolve().parents[1] / "data/runs"
-    res = stepcosts.load(runs / "h100-realshape-20261206-vllm026-host")
+    res = stepcosts.load(COMMITTED / "h100-realshape-20261206-vllm026-host")
     costs, drafts = stepcosts.step_costs(res), stepcosts.draft_ms(res)
     rates = predict.PUBLISHED_EAGLE31
     p = predict.predict(costs, drafts, rates)
@@ -946,7 +925,7 @@ def test_the_serial_bound_prices_the_drafters_host_time():
     assert (slow.loc[key, "pred_serial_speedup"] < timed.pred_serial_speedup).all()
     none = predict.predict(costs, drafts.assign(draft_host_ms=np.nan), rates)
     assert none.pred_serial_speedup.isna().all() and none.pred_speedup.notna().any()
-    pooled = [runs / n for n in ("h200-realshape-20261204-vllm026-graphs",
+    pooled = [COMMITTED / n for n in ("h200-realshape-20261204-vllm026-graphs",
                                  "h200-realshape-20261205-vllm026-deeprest",
                                  "h200-realshape-20261205-vllm026-next",
                                  "h200-realshape-20261206-vllm026-fit24")]
@@ -962,11 +941,8 @@ def test_the_report_places_the_wait_where_the_runs_timed_the_calls_start(tmp_pat
     without them (the control) keeps its table as it was."""
     import json
     import shutil
-    from pathlib import Path
 
-    from speclab import predictreport
-
-    src = Path(__file__).resolve().parents[1] / "data/runs/h100-realshape-20261206-vllm026-serve18"
+    src = COMMITTED / "h100-realshape-20261206-vllm026-serve18"
     run = tmp_path / src.name
     run.mkdir()
     for name in ("results.jsonl", "engines.jsonl", "env.json"):
@@ -991,10 +967,7 @@ def test_the_fifth_h100_runs_offline_at_the_model_beside_a_quiet_host():
     within 2% at B = 1 and 16; the host beside every timed pass used under two cores, the
     engine core the busiest, and had nothing stolen. The fourth machine's offline B = 1 rounds
     (the control) spread over 25%; it ran before the sampler and has no host samples."""
-    from pathlib import Path
-
-    runs = Path(__file__).resolve().parents[1] / "data/runs"
-    run = runs / "h100-realshape-20261206-vllm026-hostk3"
+    run = COMMITTED / "h100-realshape-20261206-vllm026-hostk3"
     res = stepcosts.load(run)
     val = predict.validate(res).set_index(["k", "B"])
     assert abs(val.loc[(3, 1), "error"]) < 0.02 and abs(val.loc[(3, 16), "error"]) < 0.02
@@ -1005,10 +978,10 @@ def test_the_fifth_h100_runs_offline_at_the_model_beside_a_quiet_host():
     assert len(per) == len(timed)
     assert all(p["busy"] < 2 and p["steal"] < 0.05 and p["top"].startswith("VLLM::EngineCor")
                for p in per)
-    fourth = stepcosts.passes(stepcosts.load(runs / "h100-realshape-20261206-vllm026-serveoffline"))
+    fourth = stepcosts.passes(stepcosts.load(COMMITTED / "h100-realshape-20261206-vllm026-serveoffline"))
     control = fourth.query("k == 3 and B == 1").step_ms
     assert control.max() > 1.25 * control.min()
-    assert not stepcosts.host_samples(runs / "h100-realshape-20261206-vllm026-serveoffline")
+    assert not stepcosts.host_samples(COMMITTED / "h100-realshape-20261206-vllm026-serveoffline")
 
 
 H100_RUNS = ("h100-realshape-20261206-vllm026-host", "h100-realshape-20261206-vllm026-hostk3",
@@ -1021,10 +994,7 @@ def test_h100_machines_differ_in_the_speculative_step_only():
     within 2% at B = 1 and 5% at B = 16 across all five, the k = 3 step at B = 1 within 3%
     across the three that did not stall, and the same spread over all five, the two whose
     host stalled the drafter included, is over 15% (the control: the measure flags them)."""
-    from pathlib import Path
-
-    runs = Path(__file__).resolve().parents[1] / "data/runs"
-    res = stepcosts.load([runs / r for r in (*H100_RUNS, *STALLED)])
+    res = stepcosts.load([COMMITTED / r for r in (*H100_RUNS, *STALLED)])
     plain = stepcosts.plain_by_run(res, 512).query("layers == 18").groupby("B")
     assert plain.run.nunique()[1] == 5 and plain.run.nunique()[16] == 5
     assert plain.spread.max()[1] < 0.02 and plain.spread.max()[16] < 0.05
@@ -1042,15 +1012,12 @@ def test_the_sixth_h100_runs_k1_to_3_inside_the_models_bracket():
     model, the model within 6%, k = 2 the measured best at B = 1; pooled with the two other
     machines that did not stall, the model stays within 6% at 18 layers. The control: the
     first machine, whose host stalled the drafter, falls outside the bracket and the 6%."""
-    from pathlib import Path
-
-    runs = Path(__file__).resolve().parents[1] / "data/runs"
-    val = predict.validate(stepcosts.load(runs / H100_RUNS[-1]))
+    val = predict.validate(stepcosts.load(COMMITTED / H100_RUNS[-1]))
     assert len(val) == 6 and val.bracketed.all()
     assert val.error.between(0, 0.06).all()
-    first = predict.validate(stepcosts.load(runs / STALLED[0]))
+    first = predict.validate(stepcosts.load(COMMITTED / STALLED[0]))
     assert not first.bracketed.all() and not first.error.between(0, 0.06).all()
     b1 = val[val.B == 1].set_index("k").speedup
     assert b1.idxmax() == 2
-    pooled = predict.validate(stepcosts.load([runs / r for r in H100_RUNS]))
+    pooled = predict.validate(stepcosts.load([COMMITTED / r for r in H100_RUNS]))
     assert pooled.query("layers == 18").error.abs().max() < 0.06

@@ -289,6 +289,36 @@ def test_lean_sends_only_what_the_device_reads_and_blocks_commits_until_off(tmp_
     assert not (root / ".git/hooks/pre-commit").exists()
 
 
+def test_lean_jit_leaves_other_releases_caches_home(tmp_path):
+    """LEAN_JIT=vllm022: the 0.26 JIT cache leaves the index and is ignored while the 0.22 one
+    travels; without it (the control) both travel; `off` tracks both again."""
+    root = tree(tmp_path, "lean.sh")
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(root)]
+    subprocess.run([*git[:5], "init", "-q", str(root)], check=True)
+    jit = ("data/jit/jit-cache-vllm022-h100.tar.gz", "data/jit/jit-cache-vllm026-h200.tar.gz")
+    for rel in (*jit, "data/runs/old/r.json", "figures/old/f.svg"):
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_bytes(b"x" * (1 << 20))
+    subprocess.run([*git, "add", "-A"], check=True)
+    subprocess.run([*git, "commit", "-qm", "base"], check=True)
+
+    def on(**env):
+        r = subprocess.run(["bash", "tools/gpu/lean.sh", "on"], cwd=root, capture_output=True,
+                           text=True, check=False, env={**os.environ, **env})
+        assert r.returncode == 0, r.stdout + r.stderr
+        out = subprocess.run([*git, "ls-files", "-co", "--exclude-standard"], check=True,
+                             capture_output=True, text=True).stdout.split()
+        subprocess.run(["bash", "tools/gpu/lean.sh", "off"], cwd=root, check=True,
+                       capture_output=True)
+        return sorted(p for p in out if p.startswith("data/"))
+
+    assert on() == list(jit)
+    assert on(LEAN_JIT="vllm022") == [jit[0]]
+    assert on(LEAN_JIT="vllm026") == [jit[1]]
+    assert subprocess.run([*git, "status", "--porcelain"], capture_output=True, text=True,
+                          check=True).stdout.strip() == ""
+
+
 def test_lean_works_on_a_clone_without_git_info(tmp_path):
     """A fresh checkout may have no .git/info (no exclude file yet): `on` creates it and
     `off` leaves no mark in it (before 2026-12-06 `on` stopped at sed and stayed off)."""

@@ -306,6 +306,21 @@ def test_the_device_rescore_job_rescores_only_what_no_plain_pass_saw(monkeypatch
     assert len(sent) == 1 and sent[0] is todo
 
 
+def _analyze_committed(run_id):
+    """The pre-registered and the plain-path analyses of a committed parity run."""
+    from speclab import profiles, store
+
+    prof = profiles.load("tiny-dsv4-neartie-accept-h200")
+    run = store.run_dirs(run_id)[0]
+    plan = parity.plan(prof, prof.parity.arms, k_values=prof.parity.k_values,
+                       spec_k=prof.parity.spec_k)
+    pts, recs = store.results_for(run, parity.points_of(plan, grouped=None))
+    ref = parity.load_expected(profiles.REPO / prof.parity.expected)
+    pre, path = parity.settings(prof), parity.settings(prof, "p", expected_from="plain-path")
+    return (parity.analyze(plan, recs, pts, pre, expected=ref),
+            parity.analyze(plan, recs, pts, path, expected=parity.expected_for(path, ref, run)))
+
+
 def test_the_h200_parity_run_reads_as_committed():
     """data/runs/h200-...-vllm026 (vLLM 0.26, H200): plain repeats, speculation and the arms
     of 2026-12-05 (target KV fp8_e4m3, batch 1, CUDA graphs, batch-invariant plain) identical
@@ -313,17 +328,7 @@ def test_the_h200_parity_run_reads_as_committed():
     the runner-up at near-ties) but on the counters expected along its own plain path; the
     speculative batch-invariant arm failed in vLLM; both controls flagged by parity from 0.1
     nats in every draw."""
-    from speclab import profiles, store
-
-    prof = profiles.load("tiny-dsv4-neartie-accept-h200")
-    run = store.run_dirs(H200_PARITY)[0]
-    plan = parity.plan(prof, prof.parity.arms, k_values=prof.parity.k_values,
-                       spec_k=prof.parity.spec_k)
-    pts, recs = store.results_for(run, parity.points_of(plan, grouped=None))
-    ref = parity.load_expected(profiles.REPO / prof.parity.expected)
-    pre, path = parity.settings(prof), parity.settings(prof, "p", expected_from="plain-path")
-    a_pre = parity.analyze(plan, recs, pts, pre, expected=ref)
-    a_path = parity.analyze(plan, recs, pts, path, expected=parity.expected_for(path, ref, run))
+    a_pre, a_path = _analyze_committed(H200_PARITY)
     for a in (a_pre, a_path):
         healthy = a.summary[(a.summary.role != "control") & (a.summary.status == "ok")]
         assert len(healthy) == 15 and (healthy.exact == 16).all()
@@ -335,3 +340,45 @@ def test_the_h200_parity_run_reads_as_committed():
     pw = parity.power(a_path.summary)
     assert parity.resolution(pw, 1.0, "flagged_parity") == {"accept-bias": 0.1,
                                                             "verify-bias": 0.1}
+
+
+H100_PARITY_022 = "h100-dsv4-neartie-accept-20261207-vllm022"
+
+
+def test_the_h100_vllm022_parity_run_reads_as_committed_and_as_the_h200_one():
+    """data/runs/h100-...-vllm022 (vLLM 0.22 + overlay, H100, 2026-12-07; the deadline stopped
+    it before speculation with CUDA graphs and under batch invariance): the 14 healthy arms
+    that ran are identical and unflagged along the plain path, and parity resolves both
+    controls at 0.1 nats, as on the H200 with 0.26. Beyond the analysis: every plain and
+    healthy speculative point emitted the H200 run's tokens and counters exactly; the
+    comparison is not blind (control: the 0.5-nat verify-bias point differs from plain on
+    every prompt)."""
+    from speclab import store
+
+    a_pre, a_path = _analyze_committed(H100_PARITY_022)
+    for a in (a_pre, a_path):
+        healthy = a.summary[(a.summary.role != "control") & (a.summary.status == "ok")]
+        assert len(healthy) == 14 and (healthy.exact == 16).all()
+    arms = a_path.summary.set_index("arm")
+    assert not arms.loc[arms.status == "ok"].query("role != 'control'").flagged.any()
+    for arm in ("batch-invariant-spec", "cuda-graphs-on-spec"):
+        assert arms.loc[arm, "status"].startswith("not run")
+    pw = parity.power(a_path.summary)
+    assert parity.resolution(pw, 1.0, "flagged_parity") == {"accept-bias": 0.1,
+                                                            "verify-bias": 0.1}
+
+    def outputs(run_id, point):
+        df = pd.read_parquet(store.run_dirs(run_id)[0] / "points" / f"{point}.parquet")
+        df = df.sort_values("prompt_id")
+        return [list(t) for t in df.output_token_ids], df[["drafts", "accepted"]].sum().tolist()
+
+    shared = ["k0_kv-fp8_tp1_raw", "k0_kv-fp8_tp1_raw_r1", "k0_kv-fp8_tp1_raw_r2",
+              "k0_kv-fp8_tp1_raw_c1", "k0_kv-fp8_e4m3_tp1_raw", "k0_kv-fp8_tp1_raw_x00f57164",
+              "k0_kv-fp8_tp1_raw_x03f412a9", "k1_kv-fp8_dkv-auto_tp1_raw",
+              "k3_kv-fp8_dkv-auto_tp1_raw", "k3_kv-fp8_dkv-auto_tp1_raw_c1",
+              "k3_kv-fp8_e4m3_dkv-auto_tp1_raw"]
+    for point in shared:
+        assert outputs(H100_PARITY_022, point) == outputs(H200_PARITY, point), point
+    plain, _ = outputs(H100_PARITY_022, "k0_kv-fp8_tp1_raw")
+    biased, _ = outputs(H100_PARITY_022, "k3_kv-fp8_dkv-auto_tp1_raw_x2b8b0634")  # 0.5 nats
+    assert all(a != b for a, b in zip(plain, biased))

@@ -7,6 +7,8 @@
 #   bash tools/gpu/lean.sh on [RUN...]   untrack data/runs and figures in the index (the files
 #        stay on disk) and ignore them; RUN: run folders under data/runs that must travel (a
 #        job appends to them, e.g. the parity run)
+#        LEAN_JIT=RELTAG (e.g. vllm022): the JIT caches of other releases (data/jit/*.tar.gz
+#        not named *-RELTAG-*) stay home too; jit.sh load reads only RELTAG's
 #   bash tools/gpu/lean.sh off           restore the index and the ignore list
 #   bash tools/gpu/lean.sh size          MiB that would travel now, without carried paths
 # While it is on, a pre-commit hook refuses every commit (the index lacks those files).
@@ -23,7 +25,7 @@ size() {
 }
 
 off() {
-  git reset -q -- data/runs figures
+  git reset -q -- data/runs figures data/jit
   [ ! -e "$GIT/info/exclude" ] || sed -i "/^$MARK begin\$/,/^$MARK end\$/d" "$GIT/info/exclude"
   grep -q "$MARK" "$HOOK" 2>/dev/null && rm -f "$HOOK"
   return 0
@@ -43,9 +45,17 @@ on)
     [ -d "data/runs/$run" ] || { echo "lean.sh: no data/runs/$run" >&2; off; exit 2; }
     git add -f "data/runs/$run"
   done
-  printf '%s begin\n/data/runs/\n/figures/\n%s end\n' "$MARK" "$MARK" >> "$GIT/info/exclude"
+  stay=()  # JIT caches of other releases than $LEAN_JIT
+  if [ -n "${LEAN_JIT:-}" ]; then
+    for t in data/jit/*.tar.gz; do
+      if [ -e "$t" ] && [[ "$t" != *-"$LEAN_JIT"-* ]]; then stay+=("$t"); fi
+    done
+  fi
+  if [ ${#stay[@]} -gt 0 ]; then git rm -q --cached -- "${stay[@]}"; fi
+  { echo "$MARK begin"; printf '%s\n' /data/runs/ /figures/
+    for t in "${stay[@]}"; do echo "/$t"; done; echo "$MARK end"; } >> "$GIT/info/exclude"
   size ;;
 off) off; size ;;
 size) size ;;
-*) sed -n 2,12p "$0"; exit 2 ;;
+*) sed -n 2,14p "$0"; exit 2 ;;
 esac

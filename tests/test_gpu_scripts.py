@@ -291,7 +291,8 @@ def test_lean_sends_only_what_the_device_reads_and_blocks_commits_until_off(tmp_
 
 def test_lean_jit_leaves_other_releases_caches_home(tmp_path):
     """LEAN_JIT=vllm022: the 0.26 JIT cache leaves the index and is ignored while the 0.22 one
-    travels; without it (the control) both travel; `off` tracks both again."""
+    travels; without it (the control) both travel; `off` tracks both again; a tag no cache
+    carries is refused and leaves the tree as it was."""
     root = tree(tmp_path, "lean.sh")
     git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(root)]
     subprocess.run([*git[:5], "init", "-q", str(root)], check=True)
@@ -315,6 +316,11 @@ def test_lean_jit_leaves_other_releases_caches_home(tmp_path):
     assert on() == list(jit)
     assert on(LEAN_JIT="vllm022") == [jit[0]]
     assert on(LEAN_JIT="vllm026") == [jit[1]]
+    # a tag with no cache (a typo would send none and the machine would compile cold)
+    r = subprocess.run(["bash", "tools/gpu/lean.sh", "on"], cwd=root, capture_output=True,
+                       text=True, check=False, env={**os.environ, "LEAN_JIT": "vllm0226"})
+    assert r.returncode == 2 and "no data/jit/*-vllm0226-*" in r.stderr
+    assert not (root / ".git/hooks/pre-commit").exists()  # left off
     assert subprocess.run([*git, "status", "--porcelain"], capture_output=True, text=True,
                           check=True).stdout.strip() == ""
 

@@ -47,8 +47,12 @@ on)
   done
   stay=()  # JIT caches of other releases than $LEAN_JIT
   if [ -n "${LEAN_JIT:-}" ]; then
+    if ! compgen -G "data/jit/*-$LEAN_JIT-*.tar.gz" > /dev/null; then
+      echo "lean.sh: no data/jit/*-$LEAN_JIT-*.tar.gz (LEAN_JIT names a release tag, e.g. vllm026)" >&2
+      off; exit 2
+    fi
     for t in data/jit/*.tar.gz; do
-      if [ -e "$t" ] && [[ "$t" != *-"$LEAN_JIT"-* ]]; then stay+=("$t"); fi
+      if [[ "$t" != *-"$LEAN_JIT"-* ]]; then stay+=("$t"); fi
     done
   fi
   if [ ${#stay[@]} -gt 0 ]; then git rm -q --cached -- "${stay[@]}"; fi

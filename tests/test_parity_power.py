@@ -367,9 +367,10 @@ def test_the_h100_vllm022_parity_run_reads_as_committed_and_as_the_h200_one():
     assert parity.resolution(pw, 1.0, "flagged_parity") == {"accept-bias": 0.1,
                                                             "verify-bias": 0.1}
 
+    recs = {r: store.requests(store.run_dirs(r)[0]) for r in (H100_PARITY_022, H200_PARITY)}
+
     def outputs(run_id, point):
-        df = pd.read_parquet(store.run_dirs(run_id)[0] / "points" / f"{point}.parquet")
-        df = df.sort_values("prompt_id")
+        df = recs[run_id].query("point_id == @point").sort_values("prompt_id")
         return [list(t) for t in df.output_token_ids], df[["drafts", "accepted"]].sum().tolist()
 
     shared = ["k0_kv-fp8_tp1_raw", "k0_kv-fp8_tp1_raw_r1", "k0_kv-fp8_tp1_raw_r2",

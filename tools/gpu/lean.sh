@@ -34,6 +34,16 @@ off() {
 case "${1:-}" in
 on)
   shift
+  stay=()  # JIT caches of other releases than $LEAN_JIT
+  if [ -n "${LEAN_JIT:-}" ]; then
+    if ! compgen -G "data/jit/*-$LEAN_JIT-*.tar.gz" > /dev/null; then
+      echo "lean.sh: no data/jit/*-$LEAN_JIT-*.tar.gz (LEAN_JIT names a release tag, e.g. vllm026)" >&2
+      exit 2
+    fi
+    for t in data/jit/*.tar.gz; do
+      if [[ "$t" != *-"$LEAN_JIT"-* ]]; then stay+=("$t"); fi
+    done
+  fi
   off
   mkdir -p "$GIT/hooks" "$GIT/info"
   [ ! -e "$HOOK" ] || { echo "lean.sh: $HOOK exists; not replacing it" >&2; exit 2; }
@@ -45,16 +55,6 @@ on)
     [ -d "data/runs/$run" ] || { echo "lean.sh: no data/runs/$run" >&2; off; exit 2; }
     git add -f "data/runs/$run"
   done
-  stay=()  # JIT caches of other releases than $LEAN_JIT
-  if [ -n "${LEAN_JIT:-}" ]; then
-    if ! compgen -G "data/jit/*-$LEAN_JIT-*.tar.gz" > /dev/null; then
-      echo "lean.sh: no data/jit/*-$LEAN_JIT-*.tar.gz (LEAN_JIT names a release tag, e.g. vllm026)" >&2
-      off; exit 2
-    fi
-    for t in data/jit/*.tar.gz; do
-      if [[ "$t" != *-"$LEAN_JIT"-* ]]; then stay+=("$t"); fi
-    done
-  fi
   if [ ${#stay[@]} -gt 0 ]; then git rm -q --cached -- "${stay[@]}"; fi
   { echo "$MARK begin"; printf '%s\n' /data/runs/ /figures/
     for t in "${stay[@]}"; do echo "/$t"; done; echo "$MARK end"; } >> "$GIT/info/exclude"

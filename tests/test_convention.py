@@ -208,20 +208,23 @@ def test_side_by_side_names_the_winner(tmp_path):
 
 def test_overlapping_cis_are_no_clear_winner(tmp_path):
     run = fake_run(tmp_path, {"output": [0.5, 0.5, 0.5], "input": [0.5, 0.5, 0.5]})
-    found = convention_compare.findings(convention_compare.by_convention(*store.load_results(run), n_boot=200))
+    found = convention_compare.findings(
+        convention_compare.by_convention(*store.load_results(run), n_boot=200))
     assert found["winner"] is None and found["text"].startswith("no clear winner")
 
 
 def test_not_applied_never_names_a_winner(tmp_path):
     run = fake_run(tmp_path, {"output": [0.6, 0.6, 0.6], "input": [0.1, 0.1, 0.1]},
                    applied=False)
-    found = convention_compare.findings(convention_compare.by_convention(*store.load_results(run), n_boot=200))
+    found = convention_compare.findings(
+        convention_compare.by_convention(*store.load_results(run), n_boot=200))
     assert found["winner"] is None and "not applied" in found["text"]
 
 
 def test_one_convention_has_nothing_to_compare(tmp_path):
     run = fake_run(tmp_path, {"output": [0.6, 0.6, 0.6]})
-    found = convention_compare.findings(convention_compare.by_convention(*store.load_results(run), n_boot=200))
+    found = convention_compare.findings(
+        convention_compare.by_convention(*store.load_results(run), n_boot=200))
     assert found["winner"] is None and "nothing to compare" in found["text"]
 
 
@@ -266,7 +269,8 @@ def test_cpu_engine_records_the_convention_it_cannot_apply(tmp_path, fixture_cac
         log = (run / "logs" / f"{m['point_id']}.log").read_text()
         assert convention.log_line(res) in log
     assert metas[0]["counters"] == metas[1]["counters"]
-    found = convention_compare.findings(convention_compare.by_convention(*store.load_results(run), n_boot=100))
+    found = convention_compare.findings(
+        convention_compare.by_convention(*store.load_results(run), n_boot=100))
     assert found["winner"] is None and "not applied" in found["text"]
 
 

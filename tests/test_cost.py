@@ -144,7 +144,8 @@ def test_step_timer_needs_both_variants_and_a_started_experiment():
         timer.start("unused", round_=0, seqs=8)
     with timer.installed(), pytest.raises(RuntimeError, match="start\\(\\) an experiment"):
         FakeModel().forward(np.arange(3), None, None)
-    assert FakeModel.forward.__name__ == "forward" and "timer" not in FakeModel.forward.__code__.co_freevars
+    assert (FakeModel.forward.__name__ == "forward"
+            and "timer" not in FakeModel.forward.__code__.co_freevars)
 
 
 def test_overlay_cost_script_summarizes_and_compares_without_a_gpu(tmp_path):

@@ -137,7 +137,8 @@ def test_checkpoint_layout_matches_vllm022_params(built):
             assert torch.equal(torch.exp2(torch.log2(s).round()), s)
     for k in ("embed.weight", "head.weight", "hc_head_fn", "layers.0.ffn.gate.tid2eid",
               "layers.1.ffn.gate.bias", "layers.1.attn.compressor.ape",
-              "layers.1.attn.indexer.compressor.wkv.weight", "layers.2.attn.compressor.wgate.weight",
+              "layers.1.attn.indexer.compressor.wkv.weight",
+              "layers.2.attn.compressor.wgate.weight",
               "layers.3.ffn.shared_experts.w2.scale", "layers.0.attn.attn_sink"):
         assert k in stored
     assert stored["layers.0.ffn.gate.tid2eid"].dtype == torch.int32

@@ -56,7 +56,8 @@ def small_pair(fixture_cache) -> tuple[Path, Path]:
 # ------------------------------------------------------------------ corpus and prompts
 def test_corpus_is_small_licensed_split_and_canonical():
     assert corpus.CORPUS_FILE.stat().st_size <= 2_000_000
-    assert "PYTHON SOFTWARE FOUNDATION LICENSE" in (corpus.CORPUS_DIR / "LICENSE-PSF.txt").read_text()
+    assert ("PYTHON SOFTWARE FOUNDATION LICENSE"
+            in (corpus.CORPUS_DIR / "LICENSE-PSF.txt").read_text())
     assert "3.11.7" in (corpus.CORPUS_DIR / "PROVENANCE.md").read_text()
     paths = {s: set(corpus.document_paths(s)) for s in corpus.SPLITS}
     assert all(paths.values())

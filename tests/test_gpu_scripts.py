@@ -90,8 +90,8 @@ def test_labd_runs_lab_detached_until_the_job_is_done_and_collect_copies_it(tmp_
            "LAB_STATE": str(tmp_path / "state"), "OUT": str(out),
            "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
     r = subprocess.run(["bash", "tools/gpu/labd.sh", "start", ".stage/gpu026", "0.26", "5",
-                        "mtp-026", "--slots", "2"], cwd=root, env=env, capture_output=True, text=True,
-                       check=False)
+                        "mtp-026", "--slots", "2"], cwd=root, env=env, capture_output=True,
+                       text=True, check=False)
     assert r.returncode == 0 and "labd pid" in r.stdout, r.stdout + r.stderr
     r = subprocess.run(["bash", "tools/gpu/labd.sh", "collect", "60"], cwd=root, env=env,
                        capture_output=True, text=True, check=False)

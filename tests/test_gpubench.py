@@ -33,7 +33,8 @@ def fake_pair(tmp_path, monkeypatch):
     (t / "config.json").write_text(json.dumps({"vocab_size": 33000}))
     (t / "dsv4_fixture.json").write_text(json.dumps({"seed": 0, "params": {"mismatch": 0.3}}))
     (t / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": 2**30}}))
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(FAKES), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("PYTHONPATH",
+                       os.pathsep.join([str(FAKES), os.environ.get("PYTHONPATH", "")]))
     monkeypatch.setattr(G.gpus, "memory_gib", lambda index=0: (139.8, 0.5))
     monkeypatch.setattr(G, "START_GAP_S", 0)
     return {(4, "fp4", 4, False): (str(t), str(tmp_path / "draft")),
@@ -135,7 +136,8 @@ def test_mtp_engines_draft_with_the_targets_own_head(tmp_path, fake_pair, monkey
 
 
 def test_breaks_then_fit_falls_back_to_the_eager_drafter_when_the_check_fails(tmp_path,
-                                                                             fake_pair, monkeypatch):
+                                                                             fake_pair,
+                                                                             monkeypatch):
     """The graphed drafter's check decides how k = 3 at 32 layers runs (a fake whose graphed
     drafter accepts nothing, as vLLM 0.26 did before overlay 2.1.0: eager)."""
     monkeypatch.setenv("FAKE_VLLM_GRAPHED_DRAFT_REJECTS", "1")
@@ -147,7 +149,8 @@ def test_breaks_then_fit_falls_back_to_the_eager_drafter_when_the_check_fails(tm
     ran = {r["engine"] for r in rows}
     assert ran == {"L4-k3-graphs", "L4-k3-graphs-drafteager", "L24-k0-graphs", "L32-k0-graphs",
                    "L32-k3-graphs-drafteager"}
-    assert not any(G.pass_exact(r) for r in rows if r["engine"] == "L4-k3-graphs" and r["op"] == "pass")
+    assert not any(G.pass_exact(r) for r in rows
+                   if r["engine"] == "L4-k3-graphs" and r["op"] == "pass")
     assert all(G.pass_exact(r) for r in rows
                if r["op"] == "pass" and r["engine"] == "L32-k3-graphs-drafteager")
     assert "skipping L32-k3-graphs: L4-k3-graphs exact is not True" in (

@@ -97,7 +97,8 @@ def test_clocks_on_a_driver_without_event_reasons_and_on_none(tmp_path, monkeypa
              "printf '1410, 300.5, 45\\n'\n")
     monkeypatch.setenv("PATH", _path_with(tmp_path / "a", older))
     assert gpus.clocks() == {"sm_mhz": 1410.0, "power_w": 300.5, "temp_c": 45.0}
-    monkeypatch.setenv("PATH", _path_with(tmp_path / "b", "#!/bin/sh\nprintf '[N/A], 1, 2, 0x0\\n'\n"))
+    monkeypatch.setenv("PATH", _path_with(tmp_path / "b",
+                                          "#!/bin/sh\nprintf '[N/A], 1, 2, 0x0\\n'\n"))
     assert gpus.clocks() is None
     monkeypatch.setenv("PATH", _path_with(tmp_path / "c", None))
     assert gpus.clocks() is None

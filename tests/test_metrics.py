@@ -33,7 +33,8 @@ def test_delta_and_sum_of_snapshots():
 def test_empty_counters_are_nan_not_errors():
     e = SpecCounters()
     assert math.isnan(e.acceptance_rate) and e.mean_acceptance_length != e.mean_acceptance_length
-    assert SpecCounters(0, 0, 0, (0, 0)).conditional[1] != SpecCounters(0, 0, 0, (0, 0)).conditional[1]
+    assert (SpecCounters(0, 0, 0, (0, 0)).conditional[1]
+            != SpecCounters(0, 0, 0, (0, 0)).conditional[1])
 
 
 def test_from_snapshot_sums_engines_and_ignores_other_metrics():
@@ -42,8 +43,10 @@ def test_from_snapshot_sums_engines_and_ignores_other_metrics():
         NS(name="vllm:spec_decode_num_drafts", labels={"engine": "1"}, value=4),
         NS(name="vllm:spec_decode_num_draft_tokens", labels={}, value=30),
         NS(name="vllm:spec_decode_num_accepted_tokens", labels={}, value=14),
-        NS(name="vllm:spec_decode_num_accepted_tokens_per_pos", labels={"engine": "0"}, values=[4, 3, 1]),
-        NS(name="vllm:spec_decode_num_accepted_tokens_per_pos", labels={"engine": "1"}, values=[3, 2, 1]),
+        NS(name="vllm:spec_decode_num_accepted_tokens_per_pos", labels={"engine": "0"},
+           values=[4, 3, 1]),
+        NS(name="vllm:spec_decode_num_accepted_tokens_per_pos", labels={"engine": "1"},
+           values=[3, 2, 1]),
         NS(name="vllm:num_requests_running", labels={}, value=3),
     ]
     assert metrics.from_snapshot(snap) == C

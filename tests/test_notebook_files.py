@@ -20,7 +20,8 @@ def test_the_suite_is_every_notebook():
 def test_notebook_is_paired_clean_and_parameterized(path: Path):
     nb = jupytext.read(path)
     py = jupytext.read(path.with_suffix(".py"))
-    assert [(c.cell_type, c.source) for c in nb.cells] == [(c.cell_type, c.source) for c in py.cells]
+    assert ([(c.cell_type, c.source) for c in nb.cells]
+            == [(c.cell_type, c.source) for c in py.cells])
     assert all(not c.get("outputs") and not c.get("execution_count") for c in nb.cells
                if c.cell_type == "code"), "commit notebooks without outputs"
     code = [c for c in nb.cells if c.cell_type == "code"]

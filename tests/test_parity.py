@@ -30,7 +30,8 @@ def test_compare_classifies_near_ties_and_substantive_divergences():
     s = parity.summarize(cmp.reset_index())
     assert (s["n"], s["exact"], s["near_tie"], s["substantive"]) == (3, 1, 1, 1)
     assert s["match_lo"] < 1 / 3 < s["match_hi"]
-    lines = parity.findings(pd.DataFrame([{"arm": "x", "question": "q", "status": "ok", **s}]), 0.05)
+    lines = parity.findings(
+        pd.DataFrame([{"arm": "x", "question": "q", "status": "ok", **s}]), 0.05)
     assert "1 SUBSTANTIVE" in lines[0] and "1/3 prompts identical" in lines[0]
 
 
@@ -102,8 +103,8 @@ def test_wilson_interval():
 
 def _profile(**grid):
     return Profile(name="t", backend="cpu", target="/x", draft="/d", prompts={"file": "p.jsonl"},
-                   grid={"kv_cache_dtype": ["fp8", "fp8_e5m2"], "draft_kv_cache_dtype": ["auto", "fp8"],
-                         **grid})
+                   grid={"kv_cache_dtype": ["fp8", "fp8_e5m2"],
+                         "draft_kv_cache_dtype": ["auto", "fp8"], **grid})
 
 
 def test_plan_builds_reference_candidate_pairs_and_shares_points():

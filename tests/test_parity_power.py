@@ -107,7 +107,8 @@ def test_power_and_resolution_from_flagged_runs():
     for size, flags in ((0.02, [0, 0, 0]), (0.1, [1, 0, 1]), (0.2, [1, 1, 1]), (0.5, [1, 1, 1])):
         for seed, f in enumerate(flags):
             rows.append({"arm": f"v{size}{seed}", "role": "control", "status": "ok",
-                         "defect": "verify-bias", "size": size, "seed": seed, "n": 4, "exact": 4 - f,
+                         "defect": "verify-bias", "size": size, "seed": seed, "n": 4,
+                         "exact": 4 - f,
                          "substantive": f, "flagged_parity": bool(f), "flagged_acceptance": True,
                          "flagged": True, "margins": [0.3] if f else [],
                          "defect_rows_hit": 10, "defect_argmax_changed": 2})

@@ -82,8 +82,8 @@ def rows(layers=(4,), rounds=5, rates=RATES, seed=0, n=N):
             for B in (1, 4, 16):
                 calls = [{"tokens": B * (k + 1), "reqs": B, "ms": t_draft(k, B)}] * 20 + \
                         [{"tokens": B * 256, "reqs": B, "ms": 9.0}]  # a prefill call: ignored
-                out.append({"engine": f"L{L}-k{k}", "op": "split", "layers": L, "k": k, "eager": False,
-                                "round": 0, "B": B, "calls": calls, "counters": {}})
+                out.append({"engine": f"L{L}-k{k}", "op": "split", "layers": L, "k": k,
+                                "eager": False, "round": 0, "B": B, "calls": calls, "counters": {}})
     return pd.DataFrame(out)
 
 
@@ -231,7 +231,8 @@ def test_best_k_and_profile_continuation():
     with pytest.raises(ValueError, match="non-increasing"):
         predict.acceptance_profile([0.3, 0.6], 2)
     res = rows()
-    p = predict.predict(stepcosts.step_costs(res), stepcosts.draft_ms(res), predict.PUBLISHED_EAGLE31)
+    p = predict.predict(stepcosts.step_costs(res), stepcosts.draft_ms(res),
+                        predict.PUBLISHED_EAGLE31)
     assert p.groupby("B").best.sum().eq(1).all()
 
 
@@ -524,7 +525,8 @@ def test_an_moe_step_is_read_between_batch_sizes_by_the_experts_it_reads():
         assert predict.plain_at(curve, n) == pytest.approx(law(n), rel=0.01)
     assert predict.interpolate(curve, 32) / law(32) - 1 < -0.05
     assert np.isnan(predict.plain_at(curve, 96))  # outside the measured batch sizes
-    assert predict.experts_touched(1) == pytest.approx(6) and predict.experts_touched(10**4) == pytest.approx(256)
+    assert (predict.experts_touched(1) == pytest.approx(6)
+            and predict.experts_touched(10**4) == pytest.approx(256))
 
 
 def test_the_drafter_is_read_between_measured_k_and_extended_past_them():
@@ -856,7 +858,8 @@ def test_the_h100_served_points_match_offline_and_its_b1_miss_is_host_time():
     b = predict.error_budget(predict.validate(res), stepcosts.step_anatomy(res))
     b1 = b[b.B == 1]
     assert len(b1) == 2 and (b1.error > 0.15).all() and (b1.idle_ms > 0.6 * b1.err_ms).all()
-    h200 = stepcosts.step_anatomy(stepcosts.load(COMMITTED / "h200-realshape-20261204-vllm026-graphs"))
+    h200 = stepcosts.step_anatomy(
+        stepcosts.load(COMMITTED / "h200-realshape-20261204-vllm026-graphs"))
     assert (h200.query("layers == 32 and B == 1 and k > 0").idle_ms.abs() < 0.25).all()
 
 
@@ -978,7 +981,8 @@ def test_the_fifth_h100_runs_offline_at_the_model_beside_a_quiet_host():
     assert len(per) == len(timed)
     assert all(p["busy"] < 2 and p["steal"] < 0.05 and p["top"].startswith("VLLM::EngineCor")
                for p in per)
-    fourth = stepcosts.passes(stepcosts.load(COMMITTED / "h100-realshape-20261206-vllm026-serveoffline"))
+    fourth = stepcosts.passes(
+        stepcosts.load(COMMITTED / "h100-realshape-20261206-vllm026-serveoffline"))
     control = fourth.query("k == 3 and B == 1").step_ms
     assert control.max() > 1.25 * control.min()
     assert not stepcosts.host_samples(COMMITTED / "h100-realshape-20261206-vllm026-serveoffline")
@@ -986,7 +990,8 @@ def test_the_fifth_h100_runs_offline_at_the_model_beside_a_quiet_host():
 
 H100_RUNS = ("h100-realshape-20261206-vllm026-host", "h100-realshape-20261206-vllm026-hostk3",
              "h100-realshape-20261207-vllm026-serve")
-STALLED = ("h100-realshape-20261206-vllm026-serve18", "h100-realshape-20261206-vllm026-serveoffline")
+STALLED = ("h100-realshape-20261206-vllm026-serve18",
+           "h100-realshape-20261206-vllm026-serveoffline")
 
 
 def test_h100_machines_differ_in_the_speculative_step_only():

@@ -22,7 +22,8 @@ LICENCES = {"MIT", "Apache-2.0", "BSD-3-Clause", "CC-BY-4.0", "PSF-2.0"}
 
 
 def _load_build_script():
-    spec = importlib.util.spec_from_file_location("build_prompts", ROOT / "tools" / "build_prompts.py")
+    spec = importlib.util.spec_from_file_location("build_prompts",
+                                                  ROOT / "tools" / "build_prompts.py")
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod  # dataclasses resolve annotations through sys.modules
     spec.loader.exec_module(mod)

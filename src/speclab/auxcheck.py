@@ -192,7 +192,8 @@ def report_html(run_dir: Path) -> Path:
     run_dir = Path(run_dir)
     checks = sorted(run_dir.glob("aux_check_*.json"))
     if not checks:
-        raise FileNotFoundError(f"{run_dir}: no aux_check_*.json (tools/gpu/aux_check.py writes them)")
+        raise FileNotFoundError(
+            f"{run_dir}: no aux_check_*.json (tools/gpu/aux_check.py writes them)")
     parts = []
     for path in checks:
         meta = json.loads(path.read_text())

@@ -75,7 +75,8 @@ def engine_args(eng: Engine, target: str, draft: str | None, kv_bytes: int,
                 gpu_fraction: float) -> dict:
     """`LLM(**args)` for one engine of the plan."""
     args = {"model": target, "skip_tokenizer_init": True, "kv_cache_dtype": "fp8",
-                "enforce_eager": eng.eager, "max_model_len": MAX_MODEL_LEN, "max_num_seqs": eng.max_num_seqs,
+                "enforce_eager": eng.eager, "max_model_len": MAX_MODEL_LEN,
+                "max_num_seqs": eng.max_num_seqs,
                 "max_num_batched_tokens": MAX_BATCHED, "enable_prefix_caching": False,
                 "disable_log_stats": False, "seed": 0, "gpu_memory_utilization": gpu_fraction,
                 "kv_cache_memory_bytes": kv_bytes}

@@ -1,5 +1,5 @@
-"""`speclab` command line: run the lab, check profiles, manage the overlay and fixtures, predict speed,
-parse metrics logs, benchmark the harness."""
+"""`speclab` command line: run the lab, check profiles, manage the overlay and fixtures, predict
+speed, parse metrics logs, benchmark the harness."""
 
 from __future__ import annotations
 
@@ -241,7 +241,8 @@ def cmd_overlay(a) -> int:
         print(f"installed: {overlay.install(site)}")
     elif a.action == "uninstall":
         removed = overlay.uninstall(site)
-        print("removed: " + (", ".join(map(str, removed)) if removed else "nothing (not installed)"))
+        print("removed: "
+              + (", ".join(map(str, removed)) if removed else "nothing (not installed)"))
     elif a.action == "plan":
         if not a.draft_config:
             raise ValueError("overlay plan needs --draft-config PATH (a config.json or its folder)")
@@ -365,8 +366,8 @@ def _common(p) -> None:
     """The options `run` and `sweep` share, spelled the same."""
     p.add_argument("--profile", default="tiny-cpu", help="profile name or YAML path")
     p.add_argument("--run-id", type=_run_id_arg,
-                   help="run folder name under data/runs, or an absolute path (default: <profile>-local; "
-                   "a finished point is resumed when its fingerprint matches)")
+                   help="run folder name under data/runs, or an absolute path (default: "
+                   "<profile>-local; a finished point is resumed when its fingerprint matches)")
     p.add_argument("--out", metavar="DIR", help="output root: runs in DIR/data/runs, figures in "
                    "DIR/figures (default: $SPECLAB_OUT, else the checkout, else the working "
                    "directory)")
@@ -470,7 +471,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("file", help="log file, or - for stdin")
     m.set_defaults(fn=cmd_metrics)
 
-    p = sub.add_parser("bench", help="split one point's wall time: engine start, generation, harness")
+    p = sub.add_parser("bench",
+                       help="split one point's wall time: engine start, generation, harness")
     p.add_argument("--profile", default="tiny-cpu")
     p.add_argument("--k", type=_at_least(0), default=3)
     p.add_argument("--run-id", default="bench")

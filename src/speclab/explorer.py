@@ -1,6 +1,6 @@
 """Explore finished sweeps without re-running anything: pick runs and a slice (k, method,
-target and draft KV dtype, layout, prompt format, category, variant) and see per-position acceptance,
-AL and throughput vs k, and greedy parity against plain decoding for that slice.
+target and draft KV dtype, layout, prompt format, category, variant) and see per-position
+acceptance, AL and throughput vs k, and greedy parity against plain decoding for that slice.
 
 `explorer(...)` is the ipywidgets view for JupyterLab; `figure(...)` draws one slice as a
 static matplotlib figure (what a headless papermill run shows). Both read result files only

@@ -338,7 +338,8 @@ def _drive(state: Path, deadline: float, plan_name: str, rounds: int, paths, fh,
                     ans = w.ask({"op": op, "B": B, "seed": 1000 * r + B, "tokens": tokens},
                                 max(10, deadline - time.time()))
                     row = {"engine": w.eng.name, "layers": w.eng.layers, "k": w.eng.k,
-                           "eager": w.eng.eager, "draft_kv_group": w.eng.draft_kv_group, "round": r, "B": B, **ans,
+                           "eager": w.eng.eager, "draft_kv_group": w.eng.draft_kv_group,
+                           "round": r, "B": B, **ans,
                            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
                     store.append_jsonl(results, row)
                     rows.append(row)

@@ -21,7 +21,8 @@ PRODUCTION_LAYERS = 43
 def _pooled_by(costs: pd.DataFrame, key, means: np.ndarray | None = None) -> pd.DataFrame:
     """`costs`' steps pooled per value of `key` (a column, or a list of them), sorted by it:
     for several measured points of one quantity (plain steps of batch sizes that replay one
-    graph) the inverse-variance mean of their means, each standard error from its 95% t-interval, and the 95% t-interval of
+    graph) the inverse-variance mean of their means, each standard error from its 95% t-interval,
+    and the 95% t-interval of
     the same mean of the intervals' midpoints at their degrees of freedom summed (a single
     point keeps its own; a point without an interval makes its value's NaN). The interval
     stays the measured one's when the means are redrawn: `means` (a row per row of `costs`,

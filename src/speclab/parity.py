@@ -262,7 +262,8 @@ def plan(profile: Profile, arms: Sequence[str], *, k_values: Sequence[int] = (1,
             for kv in g.kv_cache_dtype[1:]:
                 p = plain.model_copy(update={"kv_cache_dtype": kv})
                 out += [Arm(f"target-kv-{kv}-plain", plain, p, f"plain under target KV {kv}"),
-                        Arm(f"target-kv-{kv}-spec", p, spec(p), f"speculation under target KV {kv}")]
+                        Arm(f"target-kv-{kv}-spec", p, spec(p),
+                            f"speculation under target KV {kv}")]
         elif a == "tp2-ep":
             p = plain.model_copy(update={"layout": Layout(tp=2, ep=True)})
             out += [Arm("tp2-ep-plain", plain, p, "TP=2 + EP plain vs TP=1 plain"),

@@ -85,8 +85,8 @@ def _series(df: pd.DataFrame, skip: tuple[str, ...] = ()) -> list[tuple[str, pd.
             for k, g in df.groupby(keys, dropna=False, sort=True)]
 
 
-_SERIES_NAMES = {"method": "", "layout": "", "kv_cache_dtype": "KV ", "draft_kv_cache_dtype": "draft KV ",
-                 "prompt_format": "", "concurrency": "c"}
+_SERIES_NAMES = {"method": "", "layout": "", "kv_cache_dtype": "KV ",
+                 "draft_kv_cache_dtype": "draft KV ", "prompt_format": "", "concurrency": "c"}
 
 
 def al_and_speed_vs_k(acc: pd.DataFrame, speed: pd.DataFrame, draft_cost: float,
@@ -376,7 +376,8 @@ def detection_power(pw: pd.DataFrame, near_tie: float, floor: float,
     return fig
 
 
-def speedup_vs_k(measured: pd.DataFrame, predicted: pd.DataFrame | None = None) -> plt.Figure | None:
+def speedup_vs_k(measured: pd.DataFrame,
+                 predicted: pd.DataFrame | None = None) -> plt.Figure | None:
     """Speedup over plain decoding vs k, one panel per (layers, mode, draft setting) that has
     a speedup (a plain engine beside it), one line per batch size: measured with 95%
     intervals, predicted (dashed) where given."""

@@ -210,8 +210,9 @@ def report(runs, rates=predict.PUBLISHED_EAGLE31,
                    "time less the one priced (`drafter_ms`), the batch's tail measured less "
                    "predicted (`tail_extra_ms`), the GPU waiting for the host (`idle_ms`) and "
                    "the rest (`rest_ms`, mean against median steps). "
-                   f"Of these points the largest error, {worst.error:+.1%} at B = {int(worst.B)}, k = "
-                   f"{int(worst.k)}{f' ({worst.draft})' if worst.draft else ''}, is "
+                   f"Of these points the largest error, {worst.error:+.1%} at B = "
+                   f"{int(worst.B)}, k = {int(worst.k)}"
+                   f"{f' ({worst.draft})' if worst.draft else ''}, is "
                    f"{worst.err_ms:.2f} ms a step, most of it `{part}` "
                    f"({worst[part]:.2f} ms)."), "",
                   _md(budget, [*CONFIG, "k", "B", "step_ms", "pred_step_ms", "error", "err_ms",
@@ -225,7 +226,8 @@ def report(runs, rates=predict.PUBLISHED_EAGLE31,
                   + (f" (MTP: {list(mtp_rates)})" if has_mtp else ""), "",
                   (f"Plain step per batch size n fitted as a + b·L over layers "
                   f"{ex['layers_measured']}; drafter and sampling times from the "
-                  f"{ex['drafts_from_layers']}-layer run. Requests replaced as they finish (serving at concurrency B; "
+                  f"{ex['drafts_from_layers']}-layer run. Requests replaced as they finish "
+                  "(serving at concurrency B; "
                   "an offline batch also pays its tail, `pred_tail_ms` above). `al_needed`: "
                   "the acceptance length at which k breaks even at B, for any draft of that "
                   "drafter cost (a draft whose AL is below it slows decoding). "
@@ -461,7 +463,8 @@ def _node_section(ex: dict, rates, gpus: int, dtypes: set[str], gpu: str | None,
          "(none: the rest is launches and latencies), `weights` (the time to read the weights "
          "TP splits besides the routed experts at beta's rate: "
          f"{tp_ms[0]:.2f} ms a target step, the head included, and {tp_ms[1]:.2f} ms an "
-         "EAGLE-3 draft forward), `all`. `allreduce`, one collective: `none` (the floor), `lo` and `hi`, "
+         "EAGLE-3 draft forward), `all`. `allreduce`, one collective: `none` (the floor), "
+         "`lo` and `hi`, "
          f"two published small-message all-reduce curves on {gpus} H100s over NVLink (SGLang PR "
          "#2904; lo: SGLang's kernel, hi: vLLM's custom all-reduce). Per (B, k): the lowest "
          "and highest speedup over the nine corners and the `weights` band with collectives "

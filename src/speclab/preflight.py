@@ -96,7 +96,8 @@ def _model_problem(ref: str) -> str | None:
                 return None
         except ImportError:
             pass
-        return f"{ref}: not in the local Hugging Face cache (download it first; this lab never does)"
+        return (f"{ref}: not in the local Hugging Face cache "
+                "(download it first; this lab never does)")
     return f"{ref}: no such file or directory"
 
 

@@ -91,7 +91,8 @@ class Grid(BaseModel):
     @classmethod
     def _k(cls, v: list[int]) -> list[int]:
         if any(k < 0 for k in v):
-            raise ValueError("num_speculative_tokens: give k >= 0 values (0 = no-speculation baseline)")
+            raise ValueError(
+                "num_speculative_tokens: give k >= 0 values (0 = no-speculation baseline)")
         return sorted(set(v))
 
     @field_validator("k_by_method")

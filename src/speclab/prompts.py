@@ -89,7 +89,8 @@ def to_token_ids(prompts: list[Prompt], tokenizer, fmt: Literal["raw", "chat"]) 
                 raise ValueError(f"prompt {p.id}: token-id prompts have no chat form")
             out.append(list(p.prompt_token_ids))
         elif fmt == "chat":
-            ids = tokenizer.apply_chat_template(p.turns(), add_generation_prompt=True, tokenize=True)
+            ids = tokenizer.apply_chat_template(p.turns(), add_generation_prompt=True,
+                                                tokenize=True)
             # transformers 5 returns a BatchEncoding (a Mapping, not a dict) by default
             out.append(list(ids["input_ids"] if isinstance(ids, Mapping) else ids))
         else:

@@ -68,7 +68,8 @@ def run_suite(profile: str, *, run_id: str | None = None, notebooks=SUITE,
     executes = (parameters or {}).get("execute", True)
     problems = preflight.check_env(prof) if executes else []
     if problems:
-        raise profiles.ProfileError(f"profile {prof.name} cannot run here:\n  " + "\n  ".join(problems))
+        raise profiles.ProfileError(f"profile {prof.name} cannot run here:\n  "
+                                    + "\n  ".join(problems))
     run_dir, fig_dir = store.run_dirs(run_id or prof.name, runs_root, figures_root)
     nb_out = run_dir / "notebooks"
     nb_out.mkdir(parents=True, exist_ok=True)
@@ -240,7 +241,8 @@ def memory_html(run_dir: Path, prof: profiles.Profile, hardware: str | None) -> 
                                     profiles.Point.model_validate(x["point"]), gpu, files))
     rows = memory.report_rows(ests, {x["point_id"]: store.point_log(run_dir, x["point_id"])
                                      for x in metas})
-    table = pd.DataFrame(rows).astype(object).fillna("").to_html(border=0, classes="dataframe", index=False)
+    table = pd.DataFrame(rows).astype(object).fillna("").to_html(border=0, classes="dataframe",
+                                                                 index=False)
     budget = (f"gpu_memory_utilization x the {gpu}'s memory" if gpu else
               "the memory of the machine that rendered this page" if prof.backend == "cpu"
               else "unknown (no GPU of speclab.memory.GPUS recorded)")

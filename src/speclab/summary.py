@@ -99,8 +99,10 @@ def _point_row(meta: dict) -> dict:
         "prompt_format": p.get("prompt_format"), "repeat": p.get("repeat"),
         # server: requests in flight; offline: the point's batch cap (None: whole batch)
         "concurrency": _num(meta.get("concurrency")) or p.get("concurrency"),
-        "n_requests": _num(meta.get("n_requests")), "output_tokens": _num(meta.get("output_tokens")),
-        "attribution": meta.get("attribution") if isinstance(meta.get("attribution"), str) else None,
+        "n_requests": _num(meta.get("n_requests")),
+        "output_tokens": _num(meta.get("output_tokens")),
+        "attribution": (meta.get("attribution") if isinstance(meta.get("attribution"), str)
+                        else None),
         "throughput_tok_s": _num(meta.get("throughput_tok_s")),
         "generate_s": _num(meta.get("timings.generate_s")),
         "warmup_s": _num(meta.get("timings.warmup_s")),
@@ -174,8 +176,8 @@ def caveats(t: pd.DataFrame, profile=None) -> list[str]:
         out.append(
             f"Speed: {len(above)} point(s) ({', '.join(above.point_id)}) show a speedup above "
             f"their AL, the ideal bound even for a free draft — impossible for speculation "
-            f"itself, so their plain baseline was slowed (e.g. kernels JIT-compiled during the timed pass, a cold "
-            f"start): these throughputs are not speed results.")
+            f"itself, so their plain baseline was slowed (e.g. kernels JIT-compiled during the "
+            f"timed pass, a cold start): these throughputs are not speed results.")
     if profile is not None and profile.backend == "cuda":
         if profile.engine.get("enforce_eager"):
             out.append("Speed: eager mode (enforce_eager, no CUDA graphs or torch.compile): "

@@ -15,8 +15,8 @@ with native DeepSeek-V4 EAGLE-3 (0.26, where the overlay only maps ids).
 
 Writes RUN_DIR/aux_check_<tag>.json (summary, versions, command), .md (tables) and .npz (the
 usable recorded rows, float16, to compare releases offline; ~25 KB a row at hidden 4096, so
-keep prompts few: device results come back in files of at most 16 MiB). Exit status 0 iff the configured layer
-is the closest everywhere under the headline reference (FP8 simulation)."""
+keep prompts few: device results come back in files of at most 16 MiB). Exit status 0 iff the
+configured layer is the closest everywhere under the headline reference (FP8 simulation)."""
 
 import argparse
 import inspect

@@ -61,8 +61,10 @@ IMPORT_NAMES = {
     "cuda-pathfinder": ["cuda"], "hf-xet": ["hf_xet"], "opt-einsum": ["opt_einsum"],
     "typing-extensions": ["typing_extensions"], "huggingface-hub": ["huggingface_hub"],
     "ml-dtypes": ["ml_dtypes"], "jax-cuda13-plugin": ["jax_cuda13_plugin"],
-    "tensorboard-data-server": ["tensorboard_data_server"], "pytorch-lightning": ["pytorch_lightning"],
-    "lightning-utilities": ["lightning_utilities"], "sentence-transformers": ["sentence_transformers"],
+    "tensorboard-data-server": ["tensorboard_data_server"],
+    "pytorch-lightning": ["pytorch_lightning"],
+    "lightning-utilities": ["lightning_utilities"],
+    "sentence-transformers": ["sentence_transformers"],
     "torch-geometric": ["torch_geometric"], "nvidia-cudnn-cu13": ["nvidia"],
 }
 
@@ -118,7 +120,8 @@ WAIVED = {
     "vllm_xpu_kernels": "Intel XPU only", "vllm_omni": "`vllm --omni` only",
     "modelscope": "only with VLLM_USE_MODELSCOPE=1", "ray": "only with Ray executor",
     "torchao": "torchao quantization only (module imported under `if`)",
-    "humming-kernels[cu13]": "humming-kernels is carried; the cu13 extra's kernels JIT with the image's CUDA",
+    "humming-kernels[cu13]": ("humming-kernels is carried; the cu13 extra's kernels JIT with the "
+                              "image's CUDA"),
     # -- vLLM 0.26.0 --------------------------------------------------------------
     "nvidia-cutlass-dsl-libs-cu12": "cutlass-dsl 4.6.0 loads the flavour the driver supports "
         "(CUDA 13 on the device: libs-cu13, carried); dist-info carried",
@@ -148,7 +151,8 @@ def kinds_image(path: str) -> tuple[set[str], dict[str, str]]:
     versions = {}
     m = re.search(r"\| pip list, as a session saw it \|(.*?)\|\n", text)
     if m:
-        for name, ver in re.findall(r"([A-Za-z0-9_.\-]+) (\d[\w.+]*)", m.group(1).split("names it asked for:")[-1]):
+        for name, ver in re.findall(r"([A-Za-z0-9_.\-]+) (\d[\w.+]*)",
+                                    m.group(1).split("names it asked for:")[-1]):
             versions[norm(name)] = ver
     return names, versions
 
@@ -158,7 +162,8 @@ def bundle_dists(site: str) -> dict[str, dict]:
     for d in sorted(os.listdir(site)):
         if not d.endswith(".dist-info"):
             continue
-        meta = email.parser.Parser().parse(open(os.path.join(site, d, "METADATA"), encoding="utf-8"))
+        meta = email.parser.Parser().parse(open(os.path.join(site, d, "METADATA"),
+                                                encoding="utf-8"))
         out[norm(meta["Name"])] = {
             "version": meta["Version"],
             "requires": meta.get_all("Requires-Dist") or [],
@@ -187,7 +192,8 @@ def bundle_modules(site: str) -> set[str]:
             if not line or line.startswith("#"):
                 continue
             if line.startswith("import"):
-                dirs = [os.path.join(site, pkg, sub) for pkg in re.findall(r"import [\w, ]*?(\w+);", line)
+                dirs = [os.path.join(site, pkg, sub)
+                        for pkg in re.findall(r"import [\w, ]*?(\w+);", line)
                         for sub in re.findall(r"['\"]([\w.-]+)['\"]", line)]
             else:
                 dirs = [os.path.join(site, line)]

@@ -90,7 +90,8 @@ def main() -> int:
                 "max_abs_logprob_diff": max(diffs, default=0.0),
                 "median_abs_logprob_diff": sorted(diffs)[len(diffs) // 2] if diffs else 0.0,
                 "ref_margin_at_disagreements": flips}
-        per_prompt.append({"prompt_len": len(p), "output": out, "distinct_output_ids": len(set(out)),
+        per_prompt.append({"prompt_len": len(p), "output": out,
+                           "distinct_output_ids": len(set(out)),
                            "zero_token_fraction": out.count(0) / len(out), **stats,
                            "ref_margin_median": sorted(margin)[len(margin) // 2]})
     result = {

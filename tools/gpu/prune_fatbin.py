@@ -109,7 +109,8 @@ def main():
         if b:
             print(f"  {f}: fatbin payload {b / 2**20:.1f} MiB -> {a / 2**20:.1f} MiB")
         total_b, total_a = total_b + b, total_a + a
-    print(f"fatbin payload total {total_b / 2**20:.1f} MiB -> {total_a / 2**20:.1f} MiB (sm_{arch})")
+    print(f"fatbin payload total {total_b / 2**20:.1f} MiB -> "
+          f"{total_a / 2**20:.1f} MiB (sm_{arch})")
 
 
 if __name__ == "__main__":

@@ -29,10 +29,12 @@ class LLM:
         cc = SimpleNamespace(mode="CompilationMode.NONE", cudagraph_mode="FULL_AND_PIECEWISE",
                              cudagraph_capture_sizes=[1, 2, 4])
         self.llm_engine = SimpleNamespace(vllm_config=SimpleNamespace(
-            compilation_config=cc, model_config=SimpleNamespace(enforce_eager=args["enforce_eager"]),
+            compilation_config=cc,
+            model_config=SimpleNamespace(enforce_eager=args["enforce_eager"]),
             scheduler_config=SimpleNamespace(async_scheduling=True),
             cache_config=SimpleNamespace(cache_dtype=args["kv_cache_dtype"]),
-            speculative_config=SimpleNamespace(method=self.method, num_speculative_tokens=self.k) if self.k else None))
+            speculative_config=(SimpleNamespace(method=self.method, num_speculative_tokens=self.k)
+                                if self.k else None)))
         print("Using 'MARLIN' Mxfp4 MoE backend (fake)", flush=True)
 
     def generate(self, prompts, sp, use_tqdm=False):
@@ -46,18 +48,22 @@ class LLM:
                 c = {**c, "num_accepted_tokens": 0, "accepted_per_pos": [0] * self.k}
             for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
                 self.tot[key] += c[key]
-            self.tot["accepted_per_pos"] = [a + b for a, b in zip(self.tot["accepted_per_pos"], c["accepted_per_pos"])]
+            self.tot["accepted_per_pos"] = [a + b for a, b in zip(self.tot["accepted_per_pos"],
+                                                                  c["accepted_per_pos"])]
         time.sleep(0.001 * sp.max_tokens)
         if len(ids) == 4 and sp.max_tokens > 1 and not getattr(self, "_jit_once", False):
             self._jit_once = True  # the first full B=4 pass "compiles" (vLLM's jit_monitor line)
             print("WARNING [jit_monitor.py:135] TileLang JIT compilation during inference: "
                   "mhc_pre_big_fuse_tilelang. This causes a latency spike", flush=True)
-        return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=realshape.greedy(self.succ, p, sp.max_tokens))]) for p in ids]
+        return [SimpleNamespace(outputs=[
+                    SimpleNamespace(token_ids=realshape.greedy(self.succ, p, sp.max_tokens))])
+                for p in ids]
 
     def get_metrics(self):
         if not self.k:
             return []
         p = "vllm:spec_decode_"
-        return [_M(p + "num_drafts", self.tot["num_drafts"]), _M(p + "num_draft_tokens", self.tot["num_draft_tokens"]),
+        return [_M(p + "num_drafts", self.tot["num_drafts"]),
+                _M(p + "num_draft_tokens", self.tot["num_draft_tokens"]),
                 _M(p + "num_accepted_tokens", self.tot["num_accepted_tokens"]),
                 _M(p + "num_accepted_tokens_per_pos", values=list(self.tot["accepted_per_pos"]))]

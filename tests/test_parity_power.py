@@ -307,8 +307,11 @@ def test_the_device_rescore_job_rescores_only_what_no_plain_pass_saw(monkeypatch
     assert len(sent) == 1 and sent[0] is todo
 
 
-def _analyze_committed(run_id):
-    """The pre-registered and the plain-path analyses of a committed parity run."""
+def _check_committed(run_id, n_healthy):
+    """The pre-registered and the plain-path analyses of a committed parity run, with what
+    every healthy GPU run must show: its `n_healthy` arms give plain greedy's 16 outputs under
+    both, none is flagged along the plain path, and parity resolves both controls at 0.1
+    nats. Returns both analyses and the plain-path summary by arm."""
     from speclab import profiles, store
 
     prof = profiles.load("tiny-dsv4-neartie-accept-h200")
@@ -318,8 +321,17 @@ def _analyze_committed(run_id):
     pts, recs = store.results_for(run, parity.points_of(plan, grouped=None))
     ref = parity.load_expected(profiles.REPO / prof.parity.expected)
     pre, path = parity.settings(prof), parity.settings(prof, "p", expected_from="plain-path")
-    return (parity.analyze(plan, recs, pts, pre, expected=ref),
-            parity.analyze(plan, recs, pts, path, expected=parity.expected_for(path, ref, run)))
+    a_pre = parity.analyze(plan, recs, pts, pre, expected=ref)
+    a_path = parity.analyze(plan, recs, pts, path, expected=parity.expected_for(path, ref, run))
+    for a in (a_pre, a_path):
+        healthy = a.summary[(a.summary.role != "control") & (a.summary.status == "ok")]
+        assert len(healthy) == n_healthy and (healthy.exact == 16).all()
+    arms = a_path.summary.set_index("arm")
+    assert not arms.loc[arms.status == "ok"].query("role != 'control'").flagged.any()
+    pw = parity.power(a_path.summary)
+    assert parity.resolution(pw, 1.0, "flagged_parity") == {"accept-bias": 0.1,
+                                                            "verify-bias": 0.1}
+    return a_pre, a_path, arms
 
 
 def test_the_h200_parity_run_reads_as_committed():
@@ -329,18 +341,10 @@ def test_the_h200_parity_run_reads_as_committed():
     the runner-up at near-ties) but on the counters expected along its own plain path; the
     speculative batch-invariant arm failed in vLLM; both controls flagged by parity from 0.1
     nats in every draw."""
-    a_pre, a_path = _analyze_committed(H200_PARITY)
-    for a in (a_pre, a_path):
-        healthy = a.summary[(a.summary.role != "control") & (a.summary.status == "ok")]
-        assert len(healthy) == 15 and (healthy.exact == 16).all()
-    arms = a_path.summary.set_index("arm")
-    assert not arms.loc[arms.status == "ok"].query("role != 'control'").flagged.any()
+    a_pre, a_path, arms = _check_committed(H200_PARITY, 15)
     assert arms.loc["batch-invariant-spec", "status"].endswith("x03f412a9 error")
     spec = lambda a: a.summary[a.summary.arm.str.startswith("spec-")]
     assert spec(a_pre).flagged_acceptance.all() and not spec(a_path).flagged_acceptance.any()
-    pw = parity.power(a_path.summary)
-    assert parity.resolution(pw, 1.0, "flagged_parity") == {"accept-bias": 0.1,
-                                                            "verify-bias": 0.1}
 
 
 H100_PARITY_022 = "h100-dsv4-neartie-accept-20261207-vllm022"
@@ -356,17 +360,9 @@ def test_the_h100_vllm022_parity_run_reads_as_committed_and_as_the_h200_one():
     every prompt)."""
     from speclab import store
 
-    a_pre, a_path = _analyze_committed(H100_PARITY_022)
-    for a in (a_pre, a_path):
-        healthy = a.summary[(a.summary.role != "control") & (a.summary.status == "ok")]
-        assert len(healthy) == 14 and (healthy.exact == 16).all()
-    arms = a_path.summary.set_index("arm")
-    assert not arms.loc[arms.status == "ok"].query("role != 'control'").flagged.any()
+    _, _, arms = _check_committed(H100_PARITY_022, 14)
     for arm in ("batch-invariant-spec", "cuda-graphs-on-spec"):
         assert arms.loc[arm, "status"].startswith("not run")
-    pw = parity.power(a_path.summary)
-    assert parity.resolution(pw, 1.0, "flagged_parity") == {"accept-bias": 0.1,
-                                                            "verify-bias": 0.1}
 
     recs = {r: store.requests(store.run_dirs(r)[0]) for r in (H100_PARITY_022, H200_PARITY)}
 

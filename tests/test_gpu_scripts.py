@@ -1,6 +1,7 @@
 """The device-side shell tools that carry state between device calls: tools/gpu/jit.sh (JIT
 caches in both tarball layouts), tools/gpu/labd.sh (lab.py detached from the call, with the
-environment of every stage it is given), the Ray layer: tools/gpu/pack.sh --ray and
+environment of every stage it is given; what `collect` brings back when the call's limit cuts
+it, as for tools/gpu/realshape.sh), the Ray layer: tools/gpu/pack.sh --ray and
 tools/gpu/unpack.sh's SPECLAB_RAY_SITE; on the CPU machine, tools/gpu/lean.sh (what
 travels to the device); and what tools/gpu/gpu_env.py records of the machine."""
 
@@ -106,6 +107,59 @@ def test_labd_runs_lab_detached_until_the_job_is_done_and_collect_copies_it(tmp_
     assert json.loads((tmp_path / "state/done.json").read_text()) == ["mtp-026"]
     # lab.py ran from a copy of the tree, which later calls' fresh trees cannot remove
     assert (tmp_path / "labd/repo/tools/gpu/lab.py").exists()
+
+
+SLOW_LAB = """import pathlib, sys, time
+out = pathlib.Path(sys.argv[sys.argv.index("--out") + 1]); out.mkdir(parents=True, exist_ok=True)
+(out / "driver.log").write_text("job started\\n")
+print("lab running", flush=True)
+time.sleep(40)
+"""
+
+
+def test_labd_collect_cut_by_the_calls_limit_still_leaves_the_latest_results(tmp_path):
+    """The device call's limit kills `collect` mid-wait; what it copied on the way is in $OUT
+    (2026-12-07: a call killed at 300 s came back empty although the jobs had ended)."""
+    root = tree(tmp_path, "labd.sh", "jit.sh")
+    (root / "tools/gpu/unpack.sh").write_text('echo "export BUNDLE=ok"\n')
+    (root / "tools/gpu/lab.py").write_text(SLOW_LAB)
+    out = tmp_path / "out"
+    out.mkdir()
+    env = {**os.environ, "HOME": str(tmp_path), "LABD": str(tmp_path / "labd"),
+           "LAB_STATE": str(tmp_path / "state"), "OUT": str(out), "COPY_EVERY": "1",
+           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    r = subprocess.run(["bash", "tools/gpu/labd.sh", "start", ".stage/gpu026", "0.26", "5",
+                        "mtp-026"], cwd=root, env=env, capture_output=True, text=True,
+                       check=False)
+    try:
+        assert r.returncode == 0, r.stdout + r.stderr
+        cut = subprocess.run(["timeout", "4", "bash", "tools/gpu/labd.sh", "collect", "60"],
+                             cwd=root, env=env, capture_output=True, text=True, check=False)
+        assert cut.returncode == 124  # the limit, not collect, ended it
+        assert (out / "driver.log").read_text() == "job started\n"
+        assert (out / "labd.out").read_text() == "lab running\n"
+    finally:
+        subprocess.run(["pkill", "-f", str(tmp_path / "labd")], check=False)
+
+
+def test_realshape_collect_cut_by_the_calls_limit_still_leaves_the_latest_results(tmp_path):
+    """As labd.sh: the timing driver's results so far are in $OUT when the call's limit kills
+    `collect` while the driver runs on."""
+    root = tree(tmp_path, "realshape.sh")
+    state, out = tmp_path / "state", tmp_path / "out"
+    state.mkdir()
+    out.mkdir()
+    (state / "results.jsonl").write_text('{"point": "k0_b1", "round": 0}\n')
+    driver = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)",
+                               "speclab.gpubench", "drive", str(tmp_path)])
+    try:
+        env = {**os.environ, "STATE": str(state), "OUT": str(out), "COPY_EVERY": "1"}
+        cut = subprocess.run(["timeout", "3", "bash", "tools/gpu/realshape.sh", "collect", "60"],
+                             cwd=root, env=env, capture_output=True, text=True, check=False)
+        assert cut.returncode == 124, cut.stdout + cut.stderr
+        assert (out / "results.jsonl").read_text() == (state / "results.jsonl").read_text()
+    finally:
+        driver.kill()
 
 
 def test_labd_collect_on_a_fresh_machine_says_so_at_once(tmp_path):

@@ -6,8 +6,9 @@
 #        bundle's, then any more, comma-separated, e.g. .stage/gpu026,.stage/ray for the Ray
 #        layer: unpack.sh's environment of each, in that order)
 #   bash tools/gpu/labd.sh collect SECONDS                   wait (returns early when lab.py
-#        is done), then copy results.tar.gz, summary.json, driver.log, JIT caches to $OUT,
-#        and print the driver log's tail and the checks' verdicts (mtp, compare_counters)
+#        is done), copying results.tar.gz, summary.json, driver.log, JIT caches to $OUT every
+#        $COPY_EVERY s (default 30) and at the end, so a call cut by its own time limit still
+#        brings back the latest; then print the driver log's tail and the checks' verdicts
 # The device copies the working tree afresh for every call and drops untracked files, so the
 # detached lab.py runs from a copy of the tree in $LABD (default /tmp/speclab_labd), with the
 # bundle's environment and the carried JIT caches (jit.sh load). lab.py is run again while a
@@ -22,6 +23,13 @@ wait_done() {
   while [ "$(date +%s)" -lt "$1" ] && ! grep -q "^labd done" "$LABD/labd.out" 2>/dev/null; do
     sleep "$2"
   done
+}
+# copy lab.py's outputs to $OUT, each file whole (a call cut mid-copy keeps the last good one)
+copy_out() {
+  for f in "$LABD"/out/*; do
+    [ -f "$f" ] && cp "$f" "$OUT/.copying" && mv -f "$OUT/.copying" "$OUT/$(basename "$f")"
+  done
+  tail -n 100 "$LABD/labd.out" > "$OUT/.copying" 2>/dev/null && mv -f "$OUT/.copying" "$OUT/labd.out"
 }
 case "${1:-}" in
 start)
@@ -57,9 +65,13 @@ RUN
 collect)
   # a fresh machine (the warm one was given back) has no lab.py to wait for: say so at once
   [ -e "$LABD/labd.out" ] || { echo "no detached lab.py on this machine (a fresh one?)"; exit 4; }
-  wait_done $(( T0 + ${2:?seconds} )) 2
-  cp "$LABD"/out/* "$OUT"/ 2>/dev/null
-  tail -n 100 "$LABD/labd.out" > "$OUT/labd.out" 2>/dev/null
+  end=$(( T0 + ${2:?seconds} ))
+  while :; do
+    now=$(date +%s)
+    wait_done $(( now + ${COPY_EVERY:-30} < end ? now + ${COPY_EVERY:-30} : end )) 1
+    copy_out
+    [ "$(date +%s)" -lt "$end" ] && ! grep -q "^labd done" "$LABD/labd.out" || break
+  done
   grep -q "^labd done" "$LABD/labd.out" && echo "labd ended" || echo "labd still running"
   tail -n 30 "$LABD/out/driver.log"
   # each job's progress so far (the sweep's one line per point), so a call need not go look

@@ -7,7 +7,8 @@
 #        tokens a request in each pass, default 128) in a
 #        session of its own with a deadline MIN minutes from now; returns at once
 #   bash tools/gpu/realshape.sh collect SECONDS [jit]   wait up to SECONDS while the driver
-#        runs, then copy its results and logs (and with `jit` the JIT caches) to $OUT
+#        runs (copying its results to $OUT every $COPY_EVERY s, default 30), then copy its
+#        results and logs (and with `jit` the JIT caches) to $OUT
 # The driver outlives each call (setsid) while the machine stays warm; its state is
 # /tmp/speclab_realshape (results.jsonl, engines.jsonl, driver.log, logs/).
 set -o pipefail
@@ -50,13 +51,25 @@ start)
   echo "driver pid $! until $(date -d @$deadline +%T) (cache $SPECLAB_CACHE); setup $(( $(date +%s) - T0 )) s"
   sleep 20; tail -n 5 "$STATE/daemon.out" ;;
 collect)
-  end=$(( T0 + ${2:?seconds} ))
-  while [ "$(date +%s)" -lt "$end" ] && pgrep -f "speclab.gpubench drive" >/dev/null; do sleep 5; done
-  cp "$STATE"/results.jsonl "$STATE"/engines.jsonl "$STATE"/driver.log "$STATE"/env.json "$STATE"/host.jsonl "$OUT"/ 2>/dev/null
+  # the results so far, each file whole, every $COPY_EVERY s (default 30) while waiting: a call
+  # cut by its own time limit still brings back the latest
+  copy_out() {
+    for f in results.jsonl engines.jsonl driver.log env.json host.jsonl; do
+      [ -f "$STATE/$f" ] && cp "$STATE/$f" "$OUT/.copying" && mv -f "$OUT/.copying" "$OUT/$f"
+    done
+  }
+  end=$(( T0 + ${2:?seconds} )) last=0
+  while [ "$(date +%s)" -lt "$end" ] && pgrep -f "speclab.gpubench drive" >/dev/null; do
+    [ $(( $(date +%s) - last )) -ge "${COPY_EVERY:-30}" ] && { copy_out; last=$(date +%s); }
+    sleep 5
+  done
+  copy_out
   tail -n 200 "$STATE/daemon.out" > "$OUT/daemon.out" 2>/dev/null
-  (cd "$STATE" && tar czf "$OUT/logs.tar.gz" logs steptiming 2>/dev/null)
+  (cd "$STATE" && tar czf "$OUT/.logs.tar.gz" logs steptiming 2>/dev/null)
+  [ -e "$OUT/.logs.tar.gz" ] && mv -f "$OUT/.logs.tar.gz" "$OUT/logs.tar.gz"
   if [ "${3:-}" = jit ]; then
-    bash tools/gpu/jit.sh save "$OUT/jit-cache-vllm026.tar.gz"
+    bash tools/gpu/jit.sh save "$OUT/.jit.tar.gz" && [ -e "$OUT/.jit.tar.gz" ] \
+      && mv -f "$OUT/.jit.tar.gz" "$OUT/jit-cache-vllm026.tar.gz"
   fi
   nvidia-smi --query-gpu=name,memory.used,memory.total,utilization.gpu --format=csv,noheader
   pgrep -f "speclab.gpubench drive" >/dev/null && echo "driver still running" || echo "driver ended"

@@ -81,15 +81,20 @@ if n >= 1:  # the job's own timeout cut the first run; the second finishes it
 """
 
 
-def test_labd_runs_lab_detached_until_the_job_is_done_and_collect_copies_it(tmp_path):
+def labd_tree(tmp_path: Path, lab_py: str, **env: str) -> tuple[Path, Path, dict]:
+    """A checkout with labd.sh, a fake lab.py and unpack.sh; its $OUT and the environment."""
     root = tree(tmp_path, "labd.sh", "jit.sh")
     (root / "tools/gpu/unpack.sh").write_text('echo "export BUNDLE=ok"\n')
-    (root / "tools/gpu/lab.py").write_text(FAKE_LAB)
+    (root / "tools/gpu/lab.py").write_text(lab_py)
     out = tmp_path / "out"
     out.mkdir()
-    env = {**os.environ, "HOME": str(tmp_path), "LABD": str(tmp_path / "labd"),
-           "LAB_STATE": str(tmp_path / "state"), "OUT": str(out),
-           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    return root, out, {**os.environ, "HOME": str(tmp_path), "LABD": str(tmp_path / "labd"),
+                       "LAB_STATE": str(tmp_path / "state"), "OUT": str(out),
+                       "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", **env}
+
+
+def test_labd_runs_lab_detached_until_the_job_is_done_and_collect_copies_it(tmp_path):
+    root, out, env = labd_tree(tmp_path, FAKE_LAB)
     r = subprocess.run(["bash", "tools/gpu/labd.sh", "start", ".stage/gpu026", "0.26", "5",
                         "mtp-026", "--slots", "2"], cwd=root, env=env, capture_output=True,
                        text=True, check=False)
@@ -120,14 +125,7 @@ time.sleep(40)
 def test_labd_collect_cut_by_the_calls_limit_still_leaves_the_latest_results(tmp_path):
     """The device call's limit kills `collect` mid-wait; what it copied on the way is in $OUT
     (2026-12-07: a call killed at 300 s came back empty although the jobs had ended)."""
-    root = tree(tmp_path, "labd.sh", "jit.sh")
-    (root / "tools/gpu/unpack.sh").write_text('echo "export BUNDLE=ok"\n')
-    (root / "tools/gpu/lab.py").write_text(SLOW_LAB)
-    out = tmp_path / "out"
-    out.mkdir()
-    env = {**os.environ, "HOME": str(tmp_path), "LABD": str(tmp_path / "labd"),
-           "LAB_STATE": str(tmp_path / "state"), "OUT": str(out), "COPY_EVERY": "1",
-           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    root, out, env = labd_tree(tmp_path, SLOW_LAB, COPY_EVERY="1")
     r = subprocess.run(["bash", "tools/gpu/labd.sh", "start", ".stage/gpu026", "0.26", "5",
                         "mtp-026"], cwd=root, env=env, capture_output=True, text=True,
                        check=False)

@@ -65,13 +65,12 @@ RUN
 collect)
   # a fresh machine (the warm one was given back) has no lab.py to wait for: say so at once
   [ -e "$LABD/labd.out" ] || { echo "no detached lab.py on this machine (a fresh one?)"; exit 4; }
-  end=$(( T0 + ${2:?seconds} ))
-  while :; do
-    now=$(date +%s)
-    wait_done $(( now + ${COPY_EVERY:-30} < end ? now + ${COPY_EVERY:-30} : end )) 1
-    copy_out
-    [ "$(date +%s)" -lt "$end" ] && ! grep -q "^labd done" "$LABD/labd.out" || break
+  end=$(( T0 + ${2:?seconds} )) last=0
+  while [ "$(date +%s)" -lt "$end" ] && ! grep -q "^labd done" "$LABD/labd.out"; do
+    [ $(( $(date +%s) - last )) -ge "${COPY_EVERY:-30}" ] && { copy_out; last=$(date +%s); }
+    sleep 2
   done
+  copy_out
   grep -q "^labd done" "$LABD/labd.out" && echo "labd ended" || echo "labd still running"
   tail -n 30 "$LABD/out/driver.log"
   # each job's progress so far (the sweep's one line per point), so a call need not go look

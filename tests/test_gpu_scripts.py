@@ -101,7 +101,7 @@ def test_labd_runs_lab_detached_until_the_job_is_done_and_collect_copies_it(tmp_
     assert r.returncode == 0 and "labd pid" in r.stdout, r.stdout + r.stderr
     r = subprocess.run(["bash", "tools/gpu/labd.sh", "collect", "60"], cwd=root, env=env,
                        capture_output=True, text=True, check=False)
-    assert "labd ended" in r.stdout, r.stdout + r.stderr
+    assert r.returncode == 0 and "labd ended" in r.stdout, r.stdout + r.stderr
     # each job's progress is printed: the sweep's lines, not the engine's
     assert "== mtp-026" in r.stdout and "1/2 k0_x ok on vm" in r.stdout
     assert "engine noise" not in r.stdout
@@ -136,6 +136,10 @@ def test_labd_collect_cut_by_the_calls_limit_still_leaves_the_latest_results(tmp
         assert cut.returncode == 124  # the limit, not collect, ended it
         assert (out / "driver.log").read_text() == "job started\n"
         assert (out / "labd.out").read_text() == "lab running\n"
+        # collect's own end while lab.py runs on says so, in words and in its exit status
+        short = subprocess.run(["bash", "tools/gpu/labd.sh", "collect", "1"], cwd=root,
+                               env=env, capture_output=True, text=True, check=False)
+        assert short.returncode == 5 and "labd still running" in short.stdout, short.stdout
     finally:
         subprocess.run(["pkill", "-f", str(tmp_path / "labd")], check=False)
 

@@ -382,3 +382,42 @@ def test_the_h100_vllm022_parity_run_reads_as_committed_and_as_the_h200_one():
     plain, _ = outputs(H100_PARITY_022, "k0_kv-fp8_tp1_raw")
     biased, _ = outputs(H100_PARITY_022, "k3_kv-fp8_dkv-auto_tp1_raw_x2b8b0634")  # 0.5 nats
     assert all(a != b for a, b in zip(plain, biased))
+
+
+H100_INVARIANT_026 = "h100-dsv4-neartie-accept-20261207-vllm026"
+
+
+def test_the_h100_vllm026_batch_invariant_point_emits_plain_greedy():
+    """data/runs/h100-...-vllm026 (vLLM 0.26 + overlay 2.2.0, H100, 2026-12-07): k = 3 under
+    `VLLM_BATCH_INVARIANT=1`, the arm that died in vLLM 0.26 on the H200 under overlay 2.1.0,
+    ran with batch invariance on and the overlay's `invariant-mean`, and emitted plain
+    greedy's tokens with the base k = 3 point's counters (the H200 run's); the comparison
+    is not blind (control: the H200 run's 0.5-nat verify-bias point differs on every
+    prompt)."""
+    import json
+
+    from speclab import store
+
+    point = "k3_kv-fp8_dkv-auto_tp1_raw_x03f412a9"
+    run = store.run_dirs(H100_INVARIANT_026)[0]
+    res = json.loads((run / "results" / f"{point}.json").read_text())
+    assert res["status"] == "ok" and res["vllm_version"] == "0.26.0"
+    assert res["point"]["env"] == {"VLLM_BATCH_INVARIANT": "1"}
+    assert res["fingerprint"]["parts"]["hardware"]["gpus"] == ["NVIDIA H100 80GB HBM3"]
+    log = (run / "logs" / f"{point}.log").read_text()
+    assert "overlay: invariant-mean applied" in log and "batch_invariant.py:910" in log
+    h200 = json.loads((store.run_dirs(H200_PARITY)[0] / "results"
+                       / "k3_kv-fp8_dkv-auto_tp1_raw.json").read_text())
+    assert res["counters"] == h200["counters"]
+    assert res["counters"]["accepted_per_pos"] == [271, 232, 193]
+
+    def outputs(run_id, pt):
+        df = store.requests(store.run_dirs(run_id)[0]).query("point_id == @pt")
+        return [list(t) for t in df.sort_values("prompt_id").output_token_ids]
+
+    got = outputs(H100_INVARIANT_026, point)
+    assert len(got) == 16
+    for pt in ("k0_kv-fp8_tp1_raw", "k0_kv-fp8_tp1_raw_x03f412a9", "k3_kv-fp8_dkv-auto_tp1_raw"):
+        assert got == outputs(H200_PARITY, pt), pt
+    biased = outputs(H200_PARITY, "k3_kv-fp8_dkv-auto_tp1_raw_x2b8b0634")  # 0.5 nats
+    assert all(a != b for a, b in zip(got, biased))

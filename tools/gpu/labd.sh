@@ -8,7 +8,8 @@
 #   bash tools/gpu/labd.sh collect SECONDS                   wait (returns early when lab.py
 #        is done), copying results.tar.gz, summary.json, driver.log, JIT caches to $OUT every
 #        $COPY_EVERY s (default 30) and at the end, so a call cut by its own time limit still
-#        brings back the latest; then print the driver log's tail and the checks' verdicts
+#        brings back the latest; then print the driver log's tail and the checks' verdicts;
+#        exits 0 when lab.py has ended, 5 while it still runs
 # The device copies the working tree afresh for every call and drops untracked files, so the
 # detached lab.py runs from a copy of the tree in $LABD (default /tmp/speclab_labd), with the
 # bundle's environment and the carried JIT caches (jit.sh load). lab.py is run again while a
@@ -71,7 +72,8 @@ collect)
     sleep 2
   done
   copy_out
-  grep -q "^labd done" "$LABD/labd.out" && echo "labd ended" || echo "labd still running"
+  rc=5; grep -q "^labd done" "$LABD/labd.out" && rc=0
+  [ "$rc" = 0 ] && echo "labd ended" || echo "labd still running"
   tail -n 30 "$LABD/out/driver.log"
   # each job's progress so far (the sweep's one line per point), so a call need not go look
   for log in "${LAB_STATE:-/tmp/speclab_lab}"/logs/*.log; do
@@ -82,7 +84,8 @@ collect)
   cat "$LABD"/repo/data/runs/*/mtp_check.json 2>/dev/null | head -60
   # compare_counters.py's verdicts (the Ray jobs): its lines end with this summary
   grep -h -B 4 "shared points identical" "${LAB_STATE:-/tmp/speclab_lab}"/logs/*.log \
-    2>/dev/null | tail -n 20 ;;
+    2>/dev/null | tail -n 20
+  exit "$rc" ;;
 *)
   sed -n 2,6p "$0"; exit 2 ;;
 esac

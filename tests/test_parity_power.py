@@ -1,6 +1,7 @@
 """Pre-registered classification, noise arm, rescoring, injected defects and detection power,
 on constructed sequences (no engine)."""
 
+import functools
 import math
 
 import pandas as pd
@@ -350,6 +351,19 @@ def test_the_h200_parity_run_reads_as_committed():
 H100_PARITY_022 = "h100-dsv4-neartie-accept-20261207-vllm022"
 
 
+@functools.cache
+def _requests(run_id):
+    from speclab import store
+
+    return store.requests(store.run_dirs(run_id)[0])
+
+
+def _outputs(run_id, point):
+    """A committed point's output tokens by prompt and its (drafts, accepted) totals."""
+    df = _requests(run_id).query("point_id == @point").sort_values("prompt_id")
+    return [list(t) for t in df.output_token_ids], df[["drafts", "accepted"]].sum().tolist()
+
+
 def test_the_h100_vllm022_parity_run_reads_as_committed_and_as_the_h200_one():
     """data/runs/h100-...-vllm022 (vLLM 0.22 + overlay 2.2.0, H100, 2026-12-07 in two device
     sessions): all 16 healthy arms, speculation with CUDA graphs and under
@@ -359,28 +373,19 @@ def test_the_h100_vllm022_parity_run_reads_as_committed_and_as_the_h200_one():
     k = 3 under batch invariance (failed in vLLM 0.26 on the H200) emitted plain k = 3's; the
     comparison is not blind (control: the 0.5-nat verify-bias point differs from plain on
     every prompt)."""
-    from speclab import store
-
     _, _, arms = _check_committed(H100_PARITY_022, 16)
     assert (arms.loc[["batch-invariant-spec", "cuda-graphs-on-spec"], "status"] == "ok").all()
-
-    recs = {r: store.requests(store.run_dirs(r)[0]) for r in (H100_PARITY_022, H200_PARITY)}
-
-    def outputs(run_id, point):
-        df = recs[run_id].query("point_id == @point").sort_values("prompt_id")
-        return [list(t) for t in df.output_token_ids], df[["drafts", "accepted"]].sum().tolist()
-
     shared = ["k0_kv-fp8_tp1_raw", "k0_kv-fp8_tp1_raw_r1", "k0_kv-fp8_tp1_raw_r2",
               "k0_kv-fp8_tp1_raw_c1", "k0_kv-fp8_e4m3_tp1_raw", "k0_kv-fp8_tp1_raw_x00f57164",
               "k0_kv-fp8_tp1_raw_x03f412a9", "k1_kv-fp8_dkv-auto_tp1_raw",
               "k3_kv-fp8_dkv-auto_tp1_raw", "k3_kv-fp8_dkv-auto_tp1_raw_c1",
               "k3_kv-fp8_dkv-auto_tp1_raw_x00f57164", "k3_kv-fp8_e4m3_dkv-auto_tp1_raw"]
     for point in shared:
-        assert outputs(H100_PARITY_022, point) == outputs(H200_PARITY, point), point
-    assert (outputs(H100_PARITY_022, "k3_kv-fp8_dkv-auto_tp1_raw_x03f412a9")
-            == outputs(H100_PARITY_022, "k3_kv-fp8_dkv-auto_tp1_raw"))
-    plain, _ = outputs(H100_PARITY_022, "k0_kv-fp8_tp1_raw")
-    biased, _ = outputs(H100_PARITY_022, "k3_kv-fp8_dkv-auto_tp1_raw_x2b8b0634")  # 0.5 nats
+        assert _outputs(H100_PARITY_022, point) == _outputs(H200_PARITY, point), point
+    assert (_outputs(H100_PARITY_022, "k3_kv-fp8_dkv-auto_tp1_raw_x03f412a9")
+            == _outputs(H100_PARITY_022, "k3_kv-fp8_dkv-auto_tp1_raw"))
+    plain, _ = _outputs(H100_PARITY_022, "k0_kv-fp8_tp1_raw")
+    biased, _ = _outputs(H100_PARITY_022, "k3_kv-fp8_dkv-auto_tp1_raw_x2b8b0634")  # 0.5 nats
     assert all(a != b for a, b in zip(plain, biased))
 
 
@@ -394,30 +399,22 @@ def test_the_h100_vllm026_batch_invariant_point_emits_plain_greedy():
     greedy's tokens with the base k = 3 point's counters (the H200 run's); the comparison
     is not blind (control: the H200 run's 0.5-nat verify-bias point differs on every
     prompt)."""
-    import json
-
     from speclab import store
 
     point = "k3_kv-fp8_dkv-auto_tp1_raw_x03f412a9"
-    run = store.run_dirs(H100_INVARIANT_026)[0]
-    res = json.loads((run / "results" / f"{point}.json").read_text())
+    run, h200 = store.run_dirs(H100_INVARIANT_026)[0], store.run_dirs(H200_PARITY)[0]
+    res = store.read_meta(run, point)
     assert res["status"] == "ok" and res["vllm_version"] == "0.26.0"
     assert res["point"]["env"] == {"VLLM_BATCH_INVARIANT": "1"}
     assert res["fingerprint"]["parts"]["hardware"]["gpus"] == ["NVIDIA H100 80GB HBM3"]
-    log = (run / "logs" / f"{point}.log").read_text()
+    log = store.point_log(run, point)
     assert "overlay: invariant-mean applied" in log and "batch_invariant.py:910" in log
-    h200 = json.loads((store.run_dirs(H200_PARITY)[0] / "results"
-                       / "k3_kv-fp8_dkv-auto_tp1_raw.json").read_text())
-    assert res["counters"] == h200["counters"]
+    assert res["counters"] == store.read_meta(h200, "k3_kv-fp8_dkv-auto_tp1_raw")["counters"]
     assert res["counters"]["accepted_per_pos"] == [271, 232, 193]
 
-    def outputs(run_id, pt):
-        df = store.requests(store.run_dirs(run_id)[0]).query("point_id == @pt")
-        return [list(t) for t in df.sort_values("prompt_id").output_token_ids]
-
-    got = outputs(H100_INVARIANT_026, point)
+    got, _ = _outputs(H100_INVARIANT_026, point)
     assert len(got) == 16
     for pt in ("k0_kv-fp8_tp1_raw", "k0_kv-fp8_tp1_raw_x03f412a9", "k3_kv-fp8_dkv-auto_tp1_raw"):
-        assert got == outputs(H200_PARITY, pt), pt
-    biased = outputs(H200_PARITY, "k3_kv-fp8_dkv-auto_tp1_raw_x2b8b0634")  # 0.5 nats
+        assert got == _outputs(H200_PARITY, pt)[0], pt
+    biased, _ = _outputs(H200_PARITY, "k3_kv-fp8_dkv-auto_tp1_raw_x2b8b0634")  # 0.5 nats
     assert all(a != b for a, b in zip(got, biased))

@@ -281,6 +281,21 @@ def test_the_plain_path_expectation_is_a_reanalysis_read_from_the_run(tmp_path):
 
 
 H200_PARITY = "h200-dsv4-neartie-accept-20261204-vllm026"
+H100_PARITY_022 = "h100-dsv4-neartie-accept-20261207-vllm022"
+H100_INVARIANT_026 = "h100-dsv4-neartie-accept-20261207-vllm026"
+
+
+@functools.cache
+def _requests(run_id):
+    from speclab import store
+
+    return store.requests(store.run_dirs(run_id)[0])
+
+
+def _outputs(run_id, point):
+    """A committed point's output tokens by prompt and its (drafts, accepted) totals."""
+    df = _requests(run_id).query("point_id == @point").sort_values("prompt_id")
+    return [list(t) for t in df.output_token_ids], df[["drafts", "accepted"]].sum().tolist()
 
 
 def _parity_jobs():
@@ -336,32 +351,27 @@ def _check_committed(run_id, n_healthy):
 
 
 def test_the_h200_parity_run_reads_as_committed():
-    """data/runs/h200-...-vllm026 (vLLM 0.26, H200): plain repeats, speculation and the arms
-    of 2026-12-05 (target KV fp8_e4m3, batch 1, CUDA graphs, batch-invariant plain) identical
-    and unflagged along the plain path, acceptance off the CPU reference (the plain path took
-    the runner-up at near-ties) but on the counters expected along its own plain path; the
-    speculative batch-invariant arm failed in vLLM; both controls flagged by parity from 0.1
-    nats in every draw."""
-    a_pre, a_path, arms = _check_committed(H200_PARITY, 15)
-    assert arms.loc["batch-invariant-spec", "status"].endswith("x03f412a9 error")
-    spec = lambda a: a.summary[a.summary.arm.str.startswith("spec-")]
-    assert spec(a_pre).flagged_acceptance.all() and not spec(a_path).flagged_acceptance.any()
-
-
-H100_PARITY_022 = "h100-dsv4-neartie-accept-20261207-vllm022"
-
-
-@functools.cache
-def _requests(run_id):
+    """data/runs/h200-...-vllm026 (vLLM 0.26, H200): plain repeats, speculation and all the
+    arms (target KV fp8_e4m3, batch 1, CUDA graphs, batch invariance, each plain and k = 3)
+    identical and unflagged along the plain path, acceptance off the CPU reference (the plain
+    path took the runner-up at near-ties) but on the counters expected along its own plain
+    path; both controls flagged by parity from 0.1 nats in every draw. k = 3 under batch
+    invariance (2026-12-07, overlay 2.2.0; it failed in vLLM under 2.1.0, the error kept in
+    `superseded/`) emitted the H100/0.26 run's tokens with the base k = 3 point's counters."""
+    a_pre, a_path, arms = _check_committed(H200_PARITY, 16)
+    assert (arms.loc[["batch-invariant-spec", "cuda-graphs-on-spec"], "status"] == "ok").all()
     from speclab import store
 
-    return store.requests(store.run_dirs(run_id)[0])
-
-
-def _outputs(run_id, point):
-    """A committed point's output tokens by prompt and its (drafts, accepted) totals."""
-    df = _requests(run_id).query("point_id == @point").sort_values("prompt_id")
-    return [list(t) for t in df.output_token_ids], df[["drafts", "accepted"]].sum().tolist()
+    point = "k3_kv-fp8_dkv-auto_tp1_raw_x03f412a9"
+    run = store.run_dirs(H200_PARITY)[0]
+    res = store.read_meta(run, point)
+    assert res["point"]["env"] == {"VLLM_BATCH_INVARIANT": "1"}
+    assert "overlay: invariant-mean applied" in store.point_log(run, point)
+    assert res["counters"] == store.read_meta(run, "k3_kv-fp8_dkv-auto_tp1_raw")["counters"]
+    assert _outputs(H200_PARITY, point) == _outputs(H100_INVARIANT_026, point)
+    assert "Incompatible dtypes" in (run / "superseded/20261207-200542" / f"{point}.json").read_text()
+    spec = lambda a: a.summary[a.summary.arm.str.startswith("spec-")]
+    assert spec(a_pre).flagged_acceptance.all() and not spec(a_path).flagged_acceptance.any()
 
 
 def test_the_h100_vllm022_parity_run_reads_as_committed_and_as_the_h200_one():
@@ -387,9 +397,6 @@ def test_the_h100_vllm022_parity_run_reads_as_committed_and_as_the_h200_one():
     plain, _ = _outputs(H100_PARITY_022, "k0_kv-fp8_tp1_raw")
     biased, _ = _outputs(H100_PARITY_022, "k3_kv-fp8_dkv-auto_tp1_raw_x2b8b0634")  # 0.5 nats
     assert all(a != b for a, b in zip(plain, biased))
-
-
-H100_INVARIANT_026 = "h100-dsv4-neartie-accept-20261207-vllm026"
 
 
 def test_the_h100_vllm026_batch_invariant_point_emits_plain_greedy():

@@ -624,6 +624,40 @@ def test_runs_pool_with_each_speedup_paired_inside_its_run(tmp_path):
     assert (blind.rounds == 3).all()
 
 
+def test_plain_steps_of_two_runs_are_compared_only_on_one_graph_size(tmp_path):
+    """Two runs of one machine, the second's plain engine capturing only vLLM's default sizes
+    (its `engines.jsonl`): its B = 5 step ran the 8-row graph, as 2026-12-05's 32-layer plain
+    engine did beside 2026-12-07's, which captured 5. `plain_by_run` compares the batch sizes
+    both ran on one graph, agreeing, and leaves B = 5 out (the control: its 8-row step is 6%
+    above the 5-row one, a spread that a comparison by B alone would report); the step costs
+    keep the two apart, so the 8-row step the verify steps of B = 1 at k = 4 run is not the
+    mean of both."""
+    import json
+
+    a, b = rows(rounds=3, seed=0), rows(rounds=3, seed=1)
+    default = cudagraphs.token_sizes(96)
+    plain = b.k == 0
+    pad = {B: cudagraphs.graph_rows(B, 1, default) for B in b[plain].B}
+    b.loc[plain, "t_full_s"] = [0.01 + (N - 1) * t_plain(pad[B]) / 1e3 for B in b[plain].B]
+    runs = []
+    for name, res, sizes in (("a", a, a.capture_sizes[a.k == 0].iloc[0]), ("b", b, default)):
+        runs.append(write_run(tmp_path / name, res))
+        (runs[-1] / "engines.jsonl").write_text(json.dumps(
+            {"engine": "L4-k0", "resolved": {"cudagraph_capture_sizes": sizes}}) + "\n")
+    pooled = stepcosts.load(runs)
+    same = stepcosts.plain_by_run(pooled)
+    assert pad[5] == 8 and t_plain(8) / t_plain(5) - 1 > 0.05
+    assert 5 not in set(same.B) and {1, 2, 4, 8, 16} <= set(same.B)
+    assert (same.rows == same.B).all() and same.spread.max() < 0.02 and same.overlap.all()
+    # the step costs keep B = 5's two graphs apart, and the rows curve reads each at its rows
+    c = stepcosts.step_costs(pooled)
+    at5 = c[(c.k == 0) & (c.B == 5)].set_index("rows")
+    assert sorted(at5.index) == [5, 8] and (at5.rounds == 3).all()
+    for n in (5, 8):
+        assert at5.step_ms[n] == pytest.approx(t_plain(n), rel=0.02)
+        assert predict.rows_curve(c, 4, False)[n] == pytest.approx(t_plain(n), rel=0.02)
+
+
 def test_a_run_without_plain_pairs_with_the_plain_run_of_its_machine(tmp_path):
     """A driver started again on one machine: the speculative engines in one run, the plain
     engine in another, both env.json naming the same `machine` (boot id and GPU UUIDs).
@@ -709,6 +743,25 @@ def test_the_committed_h200_runs_pool_and_the_mtp_head_is_predicted():
                              {"eagle3": predict.PUBLISHED_EAGLE31, "mtp": predict.PUBLISHED_MTP})
     p = ex["prediction"].dropna(subset=["pred_speedup"])
     assert set(p.draft) == {"", "mtp"} and ex["layers_measured"] == [24, 32]
+
+
+def test_the_committed_deepfinal_run_pools_on_graph_sizes():
+    """2026-12-07's H200 run (plain at 32 layers, five rounds, its engine capturing 5, 20 and
+    80 rows; EAGLE-3 k = 4 one timed round before the deadline): beside 2026-12-05's, whose
+    plain engine ran B = 5 on the 8-row graph, the pooled step costs keep the two B = 5 steps
+    apart (the 8-row one over 20% above) and the runs' plain steps on one graph agree within
+    6%; k = 4 at B = 1 gains its round (four, was three)."""
+    names = ["h200-realshape-20261205-vllm026-deeprest", "h200-realshape-20261205-vllm026-next"]
+    res = stepcosts.load([COMMITTED / n for n in names])
+    pooled = stepcosts.load([COMMITTED / n for n in [*names,
+                                                     "h200-realshape-20261207-vllm026-deepfinal"]])
+    c = stepcosts.step_costs(pooled).query("layers == 32 and draft == ''")
+    at5 = c[(c.k == 0) & (c.B == 5)].set_index("rows").step_ms
+    assert sorted(at5.index) == [5, 8] and at5[8] / at5[5] > 1.2
+    assert stepcosts.plain_by_run(pooled).query("layers == 32").spread.max() < 0.06
+    before = stepcosts.step_costs(res).query("layers == 32 and draft == '' and k == 4 and B == 1")
+    after = c.query("k == 4 and B == 1")
+    assert before.rounds.item() + 1 == after.rounds.item() == 4
 
 
 def with_sampling(res, extra_ms, plain_ms=0.04):

@@ -294,6 +294,10 @@ PLANS = {**{f"timing-{v}": (lambda v=v: timing_plan(v)) for v in DRAFT_VARIANTS}
          # the held depth's plain and k = 3, then the 24-layer fit rows and k = 1 at 36
          "timing-deep-final-36": lambda: [*final_plan()[:2], *held_depth_plan()[:2],
                                           final_plan()[2], held_depth_plan()[2]],
+         # what 2026-12-07's `timing-deep-final` left (its plain took 5 of its 12 minutes at
+         # six batch sizes): k = 4 in full beside plain at its own batch sizes only (~11 min)
+         "timing-deep-k4": lambda: [Engine(32, 0, batches=(1, 4, 16)),
+                                    Engine(32, 4, batches=(1, 4, 16))],
          # the B = 4 loss of 2026-12-05: plain at every verify size of B = 4, k = 4 in full
          "timing-deep-b4": lambda: [Engine(32, 0, batches=(4,),
                                            extra_batches=verify_batches((4,), range(1, 6))),

@@ -107,9 +107,10 @@ def rates_for(rates, draft: str):
 
 
 def plain_curve(costs: pd.DataFrame, layers: int, eager: bool) -> pd.Series:
-    """Plain step ms by batch size n for one engine configuration, sorted."""
+    """Plain step ms by batch size n for one engine configuration, the mean where runs ran
+    one batch size on different graphs, sorted."""
     c = costs[(costs.layers == layers) & (costs.eager == eager) & (costs.k == 0)]
-    return c.set_index("B").step_ms.sort_index()
+    return c.step_ms.groupby(c.B.to_numpy()).mean().sort_index()
 
 
 def rows_curve(costs: pd.DataFrame, layers: int, eager: bool) -> pd.Series:

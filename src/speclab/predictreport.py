@@ -411,9 +411,10 @@ def _pooled_section(dirs: list[Path], res: pd.DataFrame) -> list[str]:
              "the plain curve and the drafter times take every run's passes."), "",
             _md(prov, ["run", "gpu", "driver", "vllm", "torch", "date", "passes",
                        *(["machine"] if prov.machine.notna().any() else [])]), "",
-            (f"The plain steps two or more runs measured, per run ({worst}): pooling is "
-             "pooling one quantity where they agree."), "",
-            _md(same, ["layers", "eager", "B", "run", "step_ms", "step_lo", "step_hi",
+            (f"The plain steps two or more runs measured at one batch size on one graph "
+             f"size (`rows`), per run ({worst}): pooling is pooling one quantity where they "
+             "agree."), "",
+            _md(same, ["layers", "eager", "B", "rows", "run", "step_ms", "step_lo", "step_hi",
                        "rounds", "spread", "overlap"]), ""]
 
 

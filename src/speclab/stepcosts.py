@@ -133,20 +133,20 @@ def passes(results: pd.DataFrame, max_tokens: int = 128) -> pd.DataFrame:
 
 
 def step_costs(results: pd.DataFrame, max_tokens: int = 128) -> pd.DataFrame:
-    """Per (layers, eager, k, B): step time, tok/s (mean and 95% t-interval over rounds),
-    measured AL, tokens a request and rounds; speedup over the plain engine of the same
-    (layers, eager, B) as the geometric mean of per-round ratios (rounds run interleaved, so
-    round r pairs), within the point's run, or where its run has no such plain engine within
-    the one other run of the same machine (`machine`, a driver started again on one machine;
-    `paired_run` names it, else NaN)."""
+    """Per (layers, eager, k, B, rows): step time, tok/s (mean and 95% t-interval over
+    rounds), measured AL, tokens a request and rounds; speedup over the plain engine of the
+    same (layers, eager, B) as the geometric mean of per-round ratios (rounds run interleaved,
+    so round r pairs), within the point's run, or where its run has no such plain engine
+    within the one other run of the same machine (`machine`, a driver started again on one
+    machine; `paired_run` names it, else NaN). `rows`, the graph the step ran, keeps apart
+    the runs whose engines captured different sizes (B = 5 on a 5-row graph and padded to 8)."""
     df = passes(results, max_tokens)
-    keys = [*CONFIG, "k", "B"]
+    keys = [*CONFIG, "k", "B", "rows"]
     rows = []
     for key, g in df.groupby(keys):
         step = analysis.mean_ci(g.step_ms)
         tput = analysis.mean_ci(g.tok_s)
-        rows.append({**dict(zip(keys, key)), "rows": int(g.rows.iloc[0]),
-                     "step_ms": step[0], "step_lo": step[1],
+        rows.append({**dict(zip(keys, key)), "step_ms": step[0], "step_lo": step[1],
                      "step_hi": step[2], "tok_s": tput[0], "tok_s_lo": tput[1],
                      "tok_s_hi": tput[2], "al": g.al.mean(), "tokens": g.tokens.median(),
                      "rounds": len(g)})
@@ -156,7 +156,7 @@ def step_costs(results: pd.DataFrame, max_tokens: int = 128) -> pd.DataFrame:
     sp = []
     for _, r in out.iterrows():
         mine = df[(df.layers == r.layers) & (df.eager == r.eager) & (df.draft == r.draft)
-                  & (df.k == r.k) & (df.B == r.B)]
+                  & (df.k == r.k) & (df.B == r.B) & (df.rows == r.rows)]
         base = df[(df.layers == r.layers) & (df.eager == r.eager) & (df.k == 0) & (df.B == r.B)]
         paired = mine.merge(base, on=[*_run_key(df), "round"], suffixes=("", "_0"))
         other = np.nan
@@ -172,25 +172,26 @@ def step_costs(results: pd.DataFrame, max_tokens: int = 128) -> pd.DataFrame:
 
 
 def plain_by_run(results: pd.DataFrame, max_tokens: int = 128) -> pd.DataFrame:
-    """The plain step of each (layers, eager, B) that two or more pooled runs measured, per
-    run (mean and 95% interval over its rounds), with `spread` (largest / smallest mean - 1)
-    and `overlap` (every run's interval overlaps every other's): whether pooling them is
-    pooling one quantity."""
+    """The plain step of each (layers, eager, B, rows) that two or more pooled runs measured,
+    per run (mean and 95% interval over its rounds), with `spread` (largest / smallest mean -
+    1) and `overlap` (every run's interval overlaps every other's): whether pooling them is
+    pooling one quantity. `rows` is the graph the step ran (`cudagraphs.step_rows`): a B that
+    one engine captured and another padded to a larger graph is two quantities, not compared."""
     df = passes(results, max_tokens)
     df = df[df.k == 0]
     rows = []
-    for (layers, eager, B), g in df.groupby(["layers", "eager", "B"]):
+    for (layers, eager, B, graph), g in df.groupby(["layers", "eager", "B", "rows"]):
         if g.run.nunique() < 2:
             continue
         per = [(run, *analysis.mean_ci(h.step_ms), len(h)) for run, h in g.groupby("run")]
         means = [m for _, m, _, _, _ in per]
-        rows += [{"layers": layers, "eager": eager, "B": B, "run": run, "step_ms": m,
-                  "step_lo": lo, "step_hi": hi, "rounds": n,
+        rows += [{"layers": layers, "eager": eager, "B": B, "rows": graph, "run": run,
+                  "step_ms": m, "step_lo": lo, "step_hi": hi, "rounds": n,
                   "spread": max(means) / min(means) - 1,
                   "overlap": max(lo for _, _, lo, _, _ in per) <= min(hi for *_, hi, _ in per)}
                  for run, m, lo, hi, n in per]
-    return pd.DataFrame(rows, columns=["layers", "eager", "B", "run", "step_ms", "step_lo",
-                                       "step_hi", "rounds", "spread", "overlap"])
+    return pd.DataFrame(rows, columns=["layers", "eager", "B", "rows", "run", "step_ms",
+                                       "step_lo", "step_hi", "rounds", "spread", "overlap"])
 
 
 def step_calls(r, op: str) -> list[dict]:

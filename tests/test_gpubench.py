@@ -243,6 +243,7 @@ def test_the_held_depth_plan_fits_an_h200_one_engine_at_a_time():
     both = [e.name for e in P.PLANS["timing-deep-final-36"]()]  # k = 4 and 36's core first
     assert both == ["L32-k0-graphs", "L32-k4-graphs", "L36-k0-graphs", "L36-k3-graphs",
                     "L24-k0-graphs", "L36-k1-graphs"]
+    assert P.PLANS["timing-deep-final-36"]()[0].extra_batches == ()  # ran 2026-12-07
 
 
 def test_groups_pack_by_memory_and_layer_count():

@@ -206,6 +206,12 @@ def final_plan(layers: int = 32, shallow: int = 24) -> list[Engine]:
                    extra_batches=(*small, *verify_batches((16,), (4, 5))))]
 
 
+def k4_plan(layers: int = 32) -> list[Engine]:
+    """`final_plan`'s first two engines less the plain engine's extra batch sizes, which ran
+    on 2026-12-07 (its verify rows 5, 20, 80): plain and EAGLE-3 k = 4 at B = 1, 4, 16."""
+    return [Engine(layers, 0, batches=(1, 4, 16)), Engine(layers, 4, batches=(1, 4, 16))]
+
+
 def held_depth_plan(layers: int = 36) -> list[Engine]:
     """A third depth for the layer fit, beyond it (`layerfit.held_out`: the 24/32-layer line and
     the 32-layer drafter predict it before it is read): plain at `layers` at B = 1, 4, 16 and
@@ -290,14 +296,13 @@ PLANS = {**{f"timing-{v}": (lambda v=v: timing_plan(v)) for v in DRAFT_VARIANTS}
          "timing-deep-mtp": mtp_plan, "timing-deep-next": next_plan,
          "timing-deep-final": final_plan, "timing-deep-b64": b64_plan,
          "timing-deep-mtp2": mtp2_plan, "timing-deep-36": held_depth_plan,
-         # one H200 session for both, the parts a deadline may cut last: k = 4 in full and
-         # the held depth's plain and k = 3, then the 24-layer fit rows and k = 1 at 36
-         "timing-deep-final-36": lambda: [*final_plan()[:2], *held_depth_plan()[:2],
-                                          final_plan()[2], held_depth_plan()[2]],
          # what 2026-12-07's `timing-deep-final` left (its plain took 5 of its 12 minutes at
          # six batch sizes): k = 4 in full beside plain at its own batch sizes only (~11 min)
-         "timing-deep-k4": lambda: [Engine(32, 0, batches=(1, 4, 16)),
-                                    Engine(32, 4, batches=(1, 4, 16))],
+         "timing-deep-k4": k4_plan,
+         # one H200 session for both, the parts a deadline may cut last: k = 4 in full and
+         # the held depth's plain and k = 3, then the 24-layer fit rows and k = 1 at 36
+         "timing-deep-final-36": lambda: [*k4_plan(), *held_depth_plan()[:2],
+                                          final_plan()[2], held_depth_plan()[2]],
          # the B = 4 loss of 2026-12-05: plain at every verify size of B = 4, k = 4 in full
          "timing-deep-b4": lambda: [Engine(32, 0, batches=(4,),
                                            extra_batches=verify_batches((4,), range(1, 6))),

@@ -352,14 +352,16 @@ def _check_committed(run_id, n_healthy):
 
 def test_the_h200_parity_run_reads_as_committed():
     """data/runs/h200-...-vllm026 (vLLM 0.26, H200): plain repeats, speculation and all the
-    arms (target KV fp8_e4m3, batch 1, CUDA graphs, batch invariance, each plain and k = 3)
+    arms but draft KV fp8 (added to the profile after the run) and TP 2 + EP (target KV
+    fp8_e4m3, batch 1, CUDA graphs, batch invariance, each plain and k = 3)
     identical and unflagged along the plain path, acceptance off the CPU reference (the plain
     path took the runner-up at near-ties) but on the counters expected along its own plain
     path; both controls flagged by parity from 0.1 nats in every draw. k = 3 under batch
     invariance (2026-12-07, overlay 2.2.0; it failed in vLLM under 2.1.0, the error kept in
     `superseded/`) emitted the H100/0.26 run's tokens with the base k = 3 point's counters."""
-    a_pre, a_path, arms = _check_committed(H200_PARITY, 16)
+    a_pre, a_path, arms = _check_committed(H200_PARITY, 17)  # draft-kv-auto is spec-k3
     assert (arms.loc[["batch-invariant-spec", "cuda-graphs-on-spec"], "status"] == "ok").all()
+    assert arms.loc["draft-kv-fp8", "status"].startswith("not run")  # added 2026-12-07
     from speclab import store
 
     point = "k3_kv-fp8_dkv-auto_tp1_raw_x03f412a9"
@@ -369,21 +371,22 @@ def test_the_h200_parity_run_reads_as_committed():
     assert "overlay: invariant-mean applied" in store.point_log(run, point)
     assert res["counters"] == store.read_meta(run, "k3_kv-fp8_dkv-auto_tp1_raw")["counters"]
     assert _outputs(H200_PARITY, point) == _outputs(H100_INVARIANT_026, point)
-    assert "Incompatible dtypes" in (run / "superseded/20261207-200542" / f"{point}.json").read_text()
+    failed = run / "superseded/20261207-200542" / f"{point}.json"
+    assert "Incompatible dtypes" in failed.read_text()
     spec = lambda a: a.summary[a.summary.arm.str.startswith("spec-")]
     assert spec(a_pre).flagged_acceptance.all() and not spec(a_path).flagged_acceptance.any()
 
 
 def test_the_h100_vllm022_parity_run_reads_as_committed_and_as_the_h200_one():
     """data/runs/h100-...-vllm022 (vLLM 0.22 + overlay 2.2.0, H100, 2026-12-07 in two device
-    sessions): all 16 healthy arms, speculation with CUDA graphs and under
-    `VLLM_BATCH_INVARIANT=1` included, are identical and unflagged along the plain path, and
+    sessions): all 17 healthy arms (draft KV fp8 added to the profile after it), speculation
+    with CUDA graphs and under `VLLM_BATCH_INVARIANT=1` included, are identical and unflagged along the plain path, and
     parity resolves both controls at 0.1 nats, as on the H200 with 0.26. Beyond the analysis:
     every point both runs measured emitted the H200 run's tokens and counters exactly, and
     k = 3 under batch invariance (failed in vLLM 0.26 on the H200) emitted plain k = 3's; the
     comparison is not blind (control: the 0.5-nat verify-bias point differs from plain on
     every prompt)."""
-    _, _, arms = _check_committed(H100_PARITY_022, 16)
+    _, _, arms = _check_committed(H100_PARITY_022, 17)
     assert (arms.loc[["batch-invariant-spec", "cuda-graphs-on-spec"], "status"] == "ok").all()
     shared = ["k0_kv-fp8_tp1_raw", "k0_kv-fp8_tp1_raw_r1", "k0_kv-fp8_tp1_raw_r2",
               "k0_kv-fp8_tp1_raw_c1", "k0_kv-fp8_e4m3_tp1_raw", "k0_kv-fp8_tp1_raw_x00f57164",

@@ -108,12 +108,12 @@ def test_list_prints_the_plan_of_a_release_and_runs_nothing(lab, monkeypatch, ca
     monkeypatch.setattr(lab.subprocess, "Popen", lambda *a, **k: pytest.fail("a job ran"))
     assert lab.main() == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[0].startswith("stamp 20990101-vllm026;") and out[-1] == "26 jobs for vLLM 0.26"
+    assert out[0].startswith("stamp 20990101-vllm026;") and out[-1] == "27 jobs for vLLM 0.26"
     assert out[1].split()[:3] == ["rig-026", "vLLM", "0.26"]
     assert "h200-dsv4-rig-20990101-vllm026" in out[1]
     monkeypatch.setattr(sys, "argv", ["lab.py", "--list"])
     lab.main()
-    assert capsys.readouterr().out.splitlines()[-1] == "62 jobs"
+    assert capsys.readouterr().out.splitlines()[-1] == "64 jobs"
 
 
 def test_every_job_has_a_release_a_unique_name_and_known_after_jobs(tmp_path, monkeypatch):

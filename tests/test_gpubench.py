@@ -101,11 +101,11 @@ def test_mtp_engines_draft_with_the_targets_own_head(tmp_path, fake_pair, monkey
     assert [e.name for e in final] == ["L32-k0-graphs", "L32-k4-graphs", "L24-k0-graphs"]
     verify = {cudagraphs.graph_rows(b, 5) for b in final[1].batches}
     assert verify == {5, 20, 80} <= {*final[0].batches, *final[0].extra_batches}
-    # plain at 24 layers at every row count a B = 1 or 4 verify step runs below 16, and at
-    # B = 16's k = 4 and 5 rows, which the 43-layer fit lacks at 24 layers
     k4 = P.PLANS["timing-deep-k4"]()  # the same k = 4 beside plain at its batch sizes only
     assert [e.name for e in k4] == [e.name for e in final[:2]] and k4[1].batches == (1, 4, 16)
     assert k4[0].extra_batches == () and k4[0].batches == final[0].batches
+    # plain at 24 layers at every row count a B = 1 or 4 verify step runs below 16, and at
+    # B = 16's k = 4 and 5 rows, which the 43-layer fit lacks at 24 layers
     rows24 = {*final[2].batches, *final[2].extra_batches}
     assert rows24 == {1, 2, 3, 4, 5, 6, 8, 16, 80, 96} <= set(final[2].capture_sizes)
     assert final[2].max_num_seqs >= 96

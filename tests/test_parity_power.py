@@ -380,8 +380,9 @@ def test_the_h200_parity_run_reads_as_committed():
 def test_the_h100_vllm022_parity_run_reads_as_committed_and_as_the_h200_one():
     """data/runs/h100-...-vllm022 (vLLM 0.22 + overlay 2.2.0, H100, 2026-12-07 in two device
     sessions): all 17 healthy arms (draft KV fp8 added to the profile after it), speculation
-    with CUDA graphs and under `VLLM_BATCH_INVARIANT=1` included, are identical and unflagged along the plain path, and
-    parity resolves both controls at 0.1 nats, as on the H200 with 0.26. Beyond the analysis:
+    with CUDA graphs and under `VLLM_BATCH_INVARIANT=1` included, are identical and unflagged
+    along the plain path, and parity resolves both controls at 0.1 nats, as on the H200 with
+    0.26. Beyond the analysis:
     every point both runs measured emitted the H200 run's tokens and counters exactly, and
     k = 3 under batch invariance (failed in vLLM 0.26 on the H200) emitted plain k = 3's; the
     comparison is not blind (control: the 0.5-nat verify-bias point differs from plain on

@@ -1,9 +1,18 @@
 import matplotlib
 
 matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
+import pytest  # noqa: E402
 
 from speclab import plots  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _close_figures():
+    """Each test's figures are closed after it (pyplot keeps every figure it made)."""
+    yield
+    plt.close("all")
 
 
 def test_al_and_speed_vs_k_is_not_drawn_for_a_plain_only_run(capsys):
@@ -53,6 +62,9 @@ def test_save_stamps_the_run_caption(tmp_path):
     svg = (tmp_path / "pp.svg").read_text()
     assert "vLLM 0.22.0" in svg and "N = 8" in svg
     assert plots.save(None, tmp_path, "none") is None and not (tmp_path / "none.png").exists()
+    assert plt.fignum_exists(fig.number)  # a notebook's figure stays open to be shown
+    plots.save(fig, tmp_path, "pp2", close=True)  # a script's is closed once written
+    assert (tmp_path / "pp2.png").exists() and not plt.fignum_exists(fig.number)
 
 
 def test_histogram_legend_is_unique_with_integer_ticks():

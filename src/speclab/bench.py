@@ -37,7 +37,7 @@ def main(profile_name: str, k: int, run_id: str) -> int:
             figs.append(plots.per_position(analysis.per_position_long(acc)))
             figs.append(plots.acceptance_histogram(analysis.histogram(recs)))
         for i, fig in enumerate(figs):
-            plots.save(fig, run_dir / "figures", f"fig{i}")
+            plots.save(fig, run_dir / "figures", f"fig{i}", close=True)
         plot_s = time.perf_counter() - p0
         wall = time.perf_counter() - t0
     finally:

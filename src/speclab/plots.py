@@ -21,10 +21,12 @@ MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
 LINESTYLES = ("-", "--", "-.", ":")
 
 
-def save(fig, out_dir: str | Path, name: str, caption: str | None = None) -> None:
+def save(fig, out_dir: str | Path, name: str, caption: str | None = None,
+         close: bool = False) -> None:
     """Write `name.png` and `name.svg` into out_dir with `caption` as the last footer line
-    (nothing for a figure that was not drawn: None). Returns nothing, so a notebook cell that
-    ends with it shows no output."""
+    (nothing for a figure that was not drawn: None); `close` then closes the figure (scripts;
+    a notebook keeps it open to show it). Returns nothing, so a notebook cell that ends with it
+    shows no output."""
     if fig is None:
         return
     if caption:
@@ -39,6 +41,8 @@ def save(fig, out_dir: str | Path, name: str, caption: str | None = None) -> Non
                         bbox_inches="tight", metadata={"Date": None} if p.suffix == ".svg"
                         else None)
             store.atomic_write(p, buf.getvalue())
+    if close:
+        plt.close(fig)
 
 
 def _footer(fig, text: str) -> None:

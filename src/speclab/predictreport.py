@@ -152,7 +152,7 @@ def report(runs, rates=predict.PUBLISHED_EAGLE31,
             n = range(int(c.index.min()), int(c.index.max()) + 1) if len(c) else []
             curves[key] = pd.Series([predict.plain_at(c, x) for x in n], index=list(n))
         plots.save(plots.verify_rows(by_rows, curves), out_dir / "figures", "verify_rows",
-                   caption=f"{name}: verify forward vs the rows of its CUDA graph")
+                   caption=f"{name}: verify forward vs the rows of its CUDA graph", close=True)
     if len(spec):
         batches = sorted({*(int(b) for b in spec.B.unique()), *PADDING_BATCHES})
         rules = {"v026": ("hopper", "0.26"), "v034": ("hopper", "0.34"),
@@ -251,7 +251,7 @@ def report(runs, rates=predict.PUBLISHED_EAGLE31,
         lines += [f"## {layers} layers", "", f"Not extrapolated: {e}.", ""]
     lines += [*_host_lines(dirs, res), *_weights_lines(dirs)]
     plots.save(plots.speedup_vs_k(spec, val), out_dir / "figures", "speedup_vs_k",
-               caption=f"{name}: measured (95% CI) and predicted speedup")
+               caption=f"{name}: measured (95% CI) and predicted speedup", close=True)
     return _write(out_dir, name, "\n".join(lines), "figures/speedup_vs_k.png")
 
 
@@ -445,7 +445,7 @@ def _node_section(ex: dict, rates, gpus: int, dtypes: set[str], gpu: str | None,
              "are not to be read**." if tb_s > hbm else "."))
     tp_ms = nodecost.divided_ms(fit["beta_ms"], layers, 1, dtype)
     plots.save(plots.node_bracket(table, gpus, layers), out_dir / "figures", "node_bracket",
-               caption=f"TP {gpus} + EP bracket (speclab.nodecost)")
+               caption=f"TP {gpus} + EP bracket (speclab.nodecost)", close=True)
     return [
         f"## On a TP {gpus} + EP node: predicted from the one-GPU run, not measured", "",
         (f"vLLM 0.34.0 at TP {gpus}, DP 1, expert parallel: {MOE[0] // gpus} routed experts a "

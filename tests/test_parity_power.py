@@ -378,17 +378,18 @@ def test_the_h200_parity_run_reads_as_committed():
 
 
 def test_the_h100_vllm022_parity_run_reads_as_committed_and_as_the_h200_one():
-    """data/runs/h100-...-vllm022 (vLLM 0.22 + overlay 2.2.0, H100, 2026-12-07 in two device
-    sessions): all 17 healthy arms (draft KV fp8 added to the profile after it), speculation
-    with CUDA graphs and under `VLLM_BATCH_INVARIANT=1` included, are identical and unflagged
-    along the plain path, and parity resolves both controls at 0.1 nats, as on the H200 with
-    0.26. Beyond the analysis:
+    """data/runs/h100-...-vllm022 (vLLM 0.22 + overlay 2.2.0, H100, 2026-12-07 in three device
+    sessions): all 18 healthy arms, speculation with CUDA graphs, under
+    `VLLM_BATCH_INVARIANT=1` and with the draft's KV cache in fp8 (the overlay's draft KV
+    dtype, third session) included, are identical and unflagged along the plain path, and
+    parity resolves both controls at 0.1 nats, as on the H200 with 0.26. Beyond the analysis:
     every point both runs measured emitted the H200 run's tokens and counters exactly, and
     k = 3 under batch invariance (failed in vLLM 0.26 on the H200) emitted plain k = 3's; the
     comparison is not blind (control: the 0.5-nat verify-bias point differs from plain on
     every prompt)."""
-    _, _, arms = _check_committed(H100_PARITY_022, 17)
-    assert (arms.loc[["batch-invariant-spec", "cuda-graphs-on-spec"], "status"] == "ok").all()
+    _, _, arms = _check_committed(H100_PARITY_022, 18)
+    assert (arms.loc[["batch-invariant-spec", "cuda-graphs-on-spec", "draft-kv-fp8"],
+                     "status"] == "ok").all()
     shared = ["k0_kv-fp8_tp1_raw", "k0_kv-fp8_tp1_raw_r1", "k0_kv-fp8_tp1_raw_r2",
               "k0_kv-fp8_tp1_raw_c1", "k0_kv-fp8_e4m3_tp1_raw", "k0_kv-fp8_tp1_raw_x00f57164",
               "k0_kv-fp8_tp1_raw_x03f412a9", "k1_kv-fp8_dkv-auto_tp1_raw",
@@ -401,6 +402,22 @@ def test_the_h100_vllm022_parity_run_reads_as_committed_and_as_the_h200_one():
     plain, _ = _outputs(H100_PARITY_022, "k0_kv-fp8_tp1_raw")
     biased, _ = _outputs(H100_PARITY_022, "k3_kv-fp8_dkv-auto_tp1_raw_x2b8b0634")  # 0.5 nats
     assert all(a != b for a, b in zip(plain, biased))
+    # the draft's KV cache in fp8 beside target KV fp8 and fp8_e4m3 (the latter in no arm):
+    # plain greedy's tokens; the fp8 cache took effect (the overlay logs it, and one accepted
+    # token moves between positions 2 and 3 against the draft's bf16 cache: the proposals
+    # changed), the accepted total did not
+    from speclab import store
+
+    run = store.run_dirs(H100_PARITY_022)[0]
+    for kv in ("fp8", "fp8_e4m3"):
+        point = f"k3_kv-{kv}_dkv-fp8_tp1_raw"
+        assert "draft KV cache dtype fp8 (EAGLE3_DRAFT_KV_CACHE_DTYPE)" in store.point_log(run,
+                                                                                     point)
+        assert _outputs(H100_PARITY_022, point)[0] == plain
+        fp8 = store.read_meta(run, point)["counters"]
+        bf16 = store.read_meta(run, f"k3_kv-{kv}_dkv-auto_tp1_raw")["counters"]
+        assert fp8["num_accepted_tokens"] == bf16["num_accepted_tokens"] == 696
+        assert fp8["accepted_per_pos"] != bf16["accepted_per_pos"]
 
 
 def test_the_h100_vllm026_batch_invariant_point_emits_plain_greedy():

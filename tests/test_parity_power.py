@@ -411,8 +411,8 @@ def test_the_h100_vllm022_parity_run_reads_as_committed_and_as_the_h200_one():
     run = store.run_dirs(H100_PARITY_022)[0]
     for kv in ("fp8", "fp8_e4m3"):
         point = f"k3_kv-{kv}_dkv-fp8_tp1_raw"
-        assert "draft KV cache dtype fp8 (EAGLE3_DRAFT_KV_CACHE_DTYPE)" in store.point_log(run,
-                                                                                     point)
+        log = store.point_log(run, point)
+        assert "draft KV cache dtype fp8 (EAGLE3_DRAFT_KV_CACHE_DTYPE)" in log
         assert _outputs(H100_PARITY_022, point)[0] == plain
         fp8 = store.read_meta(run, point)["counters"]
         bf16 = store.read_meta(run, f"k3_kv-{kv}_dkv-auto_tp1_raw")["counters"]

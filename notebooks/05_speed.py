@@ -6,7 +6,7 @@
 #       extension: .py
 #       format_name: percent
 #       format_version: '1.3'
-#       jupytext_version: 1.19.6
+#       jupytext_version: 1.19.7
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -31,7 +31,8 @@ execute = True
 # a gpubench run folder, or a list of several of one GPU and vLLM release to pool
 # (None: the committed H200 runs, where this checkout has them)
 speed_run = None
-# per-position unconditional acceptance: EAGLE-3 (published EAGLE3.1) and MTP engines
+# per-position unconditional acceptance: EAGLE-3 (published EAGLE3.1) and MTP engines; or
+# the folder of a `speclab run` whose point measured it ("RUN" or "RUN:POINT_ID")
 acceptance = [0.617, 0.433, 0.294]
 acceptance_mtp = [0.769, 0.381]
 layers = 43  # the production depth the plain step is extrapolated to
@@ -47,14 +48,16 @@ from speclab.notebook import record
 
 run_dir, figures_dir = notebook.folders(profile, run_dir, figures_dir)
 source = stepcosts.run_dirs(speed_run) if speed_run else predictreport.reference_runs()
+rates, measured = predictreport.acceptance_from(acceptance, "eagle3")
+rates_mtp, measured_mtp = predictreport.acceptance_from(acceptance_mtp, "mtp")
 
 # %%
 if source is None:
     md = None
     print("No gpubench run here: pass speed_run (this installation has no committed H200 runs).")
 else:
-    md = predictreport.report(source, acceptance, layers, Path(run_dir) / "speed", gpus,
-                              acceptance_mtp)
+    md = predictreport.report(source, rates, layers, Path(run_dir) / "speed", gpus, rates_mtp,
+                              [m for m in (measured, measured_mtp) if m])
     text = md.read_text()
     display(Markdown("\n".join(line for line in text.splitlines()
                                if not line.startswith("!["))))
@@ -63,6 +66,7 @@ else:
 
 # %%
 record(speed={"runs": [r.name for r in source] if source else None,
-              "report": str(md) if md else None,
+              "report": str(md) if md else None, "acceptance": rates,
+              "acceptance_from": [m.describe() for m in (measured, measured_mtp) if m],
               "sections": [line[3:] for line in text.splitlines() if line.startswith("## ")]
               if md else []})

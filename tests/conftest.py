@@ -85,6 +85,9 @@ def smoke_suite(tmp_path_factory, fixture_cache) -> tuple[Path, Path]:
 
     os.environ["SPECLAB_CACHE"] = str(fixture_cache.parent)
     root = tmp_path_factory.mktemp("suite")
-    html = report.run_suite("tiny-cpu", run_id="smoke", parameters={"overrides": SMOKE},
+    # 05_speed prices the draft at the committed tiny-cpu run's measured acceptance
+    params = {"overrides": SMOKE,
+              "acceptance": str(Path(__file__).parents[1] / "data" / "runs" / "tiny-cpu")}
+    html = report.run_suite("tiny-cpu", run_id="smoke", parameters=params,
                             runs_root=root / "runs", figures_root=root / "figures")
     return root, html

@@ -101,6 +101,10 @@ def test_speed_notebook_reads_the_h200_run_into_the_report(smoke_suite):
     assert any(s.startswith("On a TP 8 + EP node") for s in r["sections"])
     text = Path(html).read_text()
     assert "05_speed" in text and "On a TP 8 + EP node" in text
+    # the suite passes the committed tiny-cpu run as `acceptance`: its k = 4 point's rates
+    assert len(r["acceptance"]) == 4 and r["acceptance"][0] > r["acceptance"][3]
+    assert "`k4_kv-auto_dkv-auto_tp1_raw`" in r["acceptance_from"][0]
+    assert "acceptance measured by run" in text and "k4_kv-auto_dkv-auto_tp1_raw" in text
 
 
 def test_rerender_from_results_runs_no_engine(smoke_suite):

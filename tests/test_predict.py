@@ -1079,3 +1079,70 @@ def test_the_sixth_h100_runs_k1_to_3_inside_the_models_bracket():
     assert b1.idxmax() == 2
     pooled = predict.validate(stepcosts.load([COMMITTED / r for r in H100_RUNS]))
     assert pooled.query("layers == 18").error.abs().max() < 0.06
+
+
+def test_a_sweep_runs_point_gives_the_acceptance_to_predict_at():
+    """`analysis.run_profile` reads the committed tiny-cpu run's EAGLE-3 point with the largest
+    k (k = 4), its rates the accepted counts per position over its drafts, read here from its
+    records; a named point gives its own. Ambiguity, another method, a plain or unknown point
+    and a folder without point results are refused, each naming what there is."""
+    from speclab import analysis, store
+
+    run = COMMITTED / "tiny-cpu"
+    prof = analysis.run_profile(run, "eagle3")
+    recs = store.requests(run, prof.point_id)
+    counts = np.array(recs.accepted_per_pos.tolist()).sum(axis=0)
+    assert prof.k == 4 and prof.num_drafts == recs.drafts.sum() and prof.n_requests == len(recs)
+    assert prof.rates == pytest.approx(tuple(counts / recs.drafts.sum()))
+    assert all(lo < r < hi for lo, r, hi in zip(prof.rates_lo, prof.rates, prof.rates_hi))
+    assert prof.target == "fixture:tiny-llama" and f"`{prof.point_id}`" in prof.describe()
+    k1 = analysis.run_profile(run, "eagle3", "k1_kv-auto_dkv-auto_tp1_raw")
+    assert k1.k == 1 and k1.rates[0] != pytest.approx(prof.rates[0])
+    points, records = store.load_results(run)
+    acc = analysis.acceptance(records, points=points)
+    with pytest.raises(ValueError, match="3 eagle3 points at k = 3 .*k3_kv-auto_dkv-auto_tp1_chat"):
+        analysis.measured_profile(acc[acc.k < 4], "eagle3")
+    for method, point, said in (("mtp", None, r"no mtp point .*\['eagle3'\]"),
+                                ("mtp", prof.point_id, "ran method eagle3, not mtp"),
+                                ("eagle3", "k0_kv-auto_tp1_raw", "no speculative point"),
+                                ("eagle3", "nope", "k4_kv-auto_dkv-auto_tp1_raw")):
+        with pytest.raises(ValueError, match=said):
+            analysis.run_profile(run, method, point)
+    with pytest.raises(ValueError, match="not a folder of `speclab run`"):
+        analysis.run_profile(COMMITTED / "h200-realshape-20261204-vllm026-graphs", "eagle3")
+
+
+def test_predict_prices_the_draft_at_a_runs_measured_acceptance(tmp_path, capsys):
+    """`speclab predict RUN --acceptance SWEEP_RUN` extrapolates at the acceptance the sweep
+    run's point measured and says where it came from, with the best k at its intervals' ends;
+    the published default (the control) predicts other speedups. A folder that is not a run,
+    or an unknown point, stops before anything is written."""
+    from speclab import analysis, cli
+
+    run = write_run(tmp_path / "gpu", rows(layers=(4, 8), rounds=3))
+    sweep = COMMITTED / "tiny-cpu"
+
+    def predicted(out: str, *args) -> tuple[str, pd.Series]:
+        """predict.md and its 43-layer predicted speedups by (B, k)."""
+        assert cli.main(["predict", str(run), "--out", str(tmp_path / out), "--gpus", "1",
+                         *args]) == 0
+        md = (tmp_path / out / "predict.md").read_text()
+        table = next(t for t in md[md.index("## 43 layers"):].split("\n\n")
+                     if t.startswith("draft | B | k | al"))
+        cells = [r.split(" | ") for r in table.splitlines()[2:]]
+        return md, pd.Series({(c[1], c[2]): c[11] for c in cells})
+
+    md, mine = predicted("measured", "--acceptance", str(sweep))
+    prof = analysis.run_profile(sweep, "eagle3")
+    assert f"## 43 layers at acceptance [{', '.join(f'{x:.3g}' for x in prof.rates)}]" in md
+    assert prof.describe() in md and "intervals' lower and upper ends" in md
+    md0, published = predicted("published")
+    assert "## 43 layers at acceptance [0.617, 0.433, 0.294]" in md0
+    assert "measured by run" not in md0 and (mine != published).all()
+    capsys.readouterr()
+    (tmp_path / "empty").mkdir()
+    for bad, said in ((tmp_path / "empty", "not a folder of `speclab run`"),
+                      (f"{sweep}:nope", "k4_kv-auto_dkv-auto_tp1_raw")):
+        assert cli.main(["predict", str(run), "--out", str(tmp_path / "q"), "--acceptance",
+                         str(bad)]) == 1
+        assert said in capsys.readouterr().err and not (tmp_path / "q").exists()

@@ -320,3 +320,23 @@ def test_a_speed_run_without_results_is_refused_before_any_notebook(tmp_path):
         report.run_suite("v4flash-8xh200", run_id="x", parameters={"speed_run": ok},
                          runs_root=tmp_path / "runs", figures_root=tmp_path / "figures")
     assert "speed_run" not in str(e.value)
+
+
+def test_a_bad_acceptance_is_refused_before_any_notebook(tmp_path):
+    """`-p acceptance=…` for 05_speed is rates or a `speclab run` folder (RUN:POINT_ID): an
+    unknown point or increasing rates stop the suite before the sweep (the control: the
+    committed tiny-cpu run passes the check; the production profile then stops at the
+    machine check, not at it)."""
+    from speclab import profiles
+
+    for name, value, said in (("acceptance", f"{RUNS / 'tiny-cpu'}:nope", "no speculative point"),
+                              ("acceptance_mtp", [0.3, 0.5], "non-increasing")):
+        with pytest.raises(profiles.ProfileError, match=f"{name}: .*{said}"):
+            report.run_suite("tiny-cpu", run_id="x", parameters={name: value},
+                             runs_root=tmp_path / "runs", figures_root=tmp_path / "figures")
+        assert not (tmp_path / "runs").exists()
+    with pytest.raises(profiles.ProfileError) as e:
+        report.run_suite("v4flash-8xh200", run_id="x",
+                         parameters={"acceptance": str(RUNS / "tiny-cpu")},
+                         runs_root=tmp_path / "runs", figures_root=tmp_path / "figures")
+    assert "acceptance" not in str(e.value)

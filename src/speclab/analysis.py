@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from pathlib import Path
+
 import numpy as np
 import pandas as pd
 
@@ -282,3 +285,93 @@ def best_per_concurrency(table: pd.DataFrame, by: str = "speedup") -> pd.DataFra
         rows.append({"concurrency": conc, "method": b.method, "k": int(b.k),
                      "point_id": b.point_id, by: b[by], "lo": b[lo], "hi": b[hi]})
     return pd.DataFrame(rows, columns=["concurrency", "method", "k", "point_id", by, "lo", "hi"])
+
+
+@dataclass(frozen=True)
+class MeasuredProfile:
+    """The per-position acceptance one point of a `speclab run` / `sweep` measured: what the
+    cost model (`speclab predict --acceptance RUN`) prices a draft at."""
+
+    run: str
+    target: str
+    draft: str | None
+    point_id: str
+    method: str
+    k: int
+    n_requests: int
+    num_drafts: int
+    rates: tuple[float, ...]
+    rates_lo: tuple[float, ...]
+    rates_hi: tuple[float, ...]
+    al: float
+    al_lo: float
+    al_hi: float
+
+    def describe(self) -> str:
+        """One markdown sentence: where the rates come from and how sure they are."""
+        def fmt(xs) -> str:
+            return ", ".join("n/a" if np.isnan(x) else f"{x:.3f}" for x in xs)
+
+        ci = "" if np.isnan(self.al_lo) else f" [{self.al_lo:.2f}, {self.al_hi:.2f}]"
+        return (f"{self.method}'s acceptance measured by run `{self.run}` (target "
+                f"`{self.target}`, draft `{self.draft}`), point `{self.point_id}`: k = {self.k}, "
+                f"{self.n_requests} requests, {self.num_drafts} drafts, AL {self.al:.2f}{ci}, "
+                f"per position {fmt(self.rates)} (95% CIs from {fmt(self.rates_lo)} to "
+                f"{fmt(self.rates_hi)}); positions past {self.k} continue by the last "
+                "conditional rate.")
+
+
+def measured_profile(acc: pd.DataFrame, method: str, point_id: str | None = None, *,
+                     run: str = "", target: str = "", draft: str | None = None
+                     ) -> MeasuredProfile:
+    """The `method` point of an `acceptance` table to price a draft at: `point_id`, or the one
+    point with the largest k. Raises ValueError naming the candidates when none fits or
+    several share the largest k (then a point must be named)."""
+    acc = with_method(acc) if len(acc) else acc.assign(method=None)
+    mine = acc[acc.method == method]
+    if point_id is not None:
+        row = acc[acc.point_id == point_id]
+        if row.empty:
+            raise ValueError(f"{run}: no speculative point {point_id!r} with results; its "
+                             f"{method} points: {sorted(mine.point_id) or 'none'}")
+        if row.method.iloc[0] != method:
+            raise ValueError(f"{run}: point {point_id!r} ran method {row.method.iloc[0]}, "
+                             f"not {method}")
+    else:
+        if mine.empty:
+            raise ValueError(f"{run}: no {method} point with results (methods there: "
+                             f"{sorted(set(acc.method.dropna())) or 'none'})")
+        row = mine[mine.k == mine.k.max()]
+        if len(row) > 1:
+            raise ValueError(f"{run}: {len(row)} {method} points at k = {int(row.k.iloc[0])} "
+                             f"({', '.join(sorted(row.point_id))}): name one as RUN:POINT_ID")
+    r = row.iloc[0]
+    if not r.num_drafts:
+        raise ValueError(f"{run}: point {r.point_id!r} drafted nothing: no acceptance to read")
+    return MeasuredProfile(
+        run=run, target=target, draft=draft, point_id=r.point_id, method=method, k=int(r.k),
+        n_requests=int(r.n_requests), num_drafts=int(r.num_drafts),
+        rates=tuple(float(x) for x in r.per_position),
+        rates_lo=tuple(float(x) for x in r.pp_lo), rates_hi=tuple(float(x) for x in r.pp_hi),
+        al=float(r.mean_acceptance_length), al_lo=float(r.al_lo), al_hi=float(r.al_hi))
+
+
+def run_profile(run_dir: Path, method: str, point_id: str | None = None) -> MeasuredProfile:
+    """`measured_profile` of a `speclab run` / `sweep` folder's ok points."""
+    from speclab import store
+
+    run_dir = Path(run_dir)
+    try:
+        found = store.has_points(run_dir)
+    except store.LayoutError as e:
+        raise ValueError(str(e)) from None
+    if not found:
+        raise ValueError(f"{run_dir}: no point results (results/*.json): not a folder of "
+                         "`speclab run` or `sweep` (a gpubench folder's acceptance is its "
+                         "oracle's, set by construction)")
+    points, records = store.load_results(run_dir)
+    ok = records[records.point_id.isin(points.point_id[points.status == "ok"])] \
+        if len(records) else records
+    prof = store.load_profile(run_dir)
+    return measured_profile(acceptance(ok, points=points), method, point_id, run=run_dir.name,
+                            target=prof.target, draft=prof.draft)

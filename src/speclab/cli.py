@@ -262,21 +262,20 @@ def cmd_aux_report(a) -> int:
 
 
 def cmd_predict(a) -> int:
-    from speclab import predict, predictreport
+    from speclab import predictreport
 
-    def profile(flag: str, text: str) -> list[float]:
+    def profile(flag: str, text: str, method: str):
         try:
-            values = [float(x) for x in text.split(",")]
-            return predict.acceptance_profile(values, len(values))
+            return predictreport.acceptance_from(text, method)
         except ValueError as e:
-            raise ValueError(f"{flag} {text!r}: per-position acceptance is comma-separated "
-                             f"non-increasing values in [0, 1] ({e})") from None
+            raise ValueError(f"{flag} {text!r}: {e}") from None
 
     try:
-        rates = profile("--acceptance", a.acceptance)
-        mtp_rates = profile("--acceptance-mtp", a.acceptance_mtp)
-        path = predictreport.report([Path(r) for r in a.run_dir], rates, a.layers,
-                                    Path(a.out) if a.out else None, a.gpus, mtp_rates)
+        rates, measured = profile("--acceptance", a.acceptance, "eagle3")
+        mtp_rates, measured_mtp = profile("--acceptance-mtp", a.acceptance_mtp, "mtp")
+        path = predictreport.report(
+            [Path(r) for r in a.run_dir], rates, a.layers, Path(a.out) if a.out else None,
+            a.gpus, mtp_rates, measured=[m for m in (measured, measured_mtp) if m])
     except (FileNotFoundError, ValueError) as e:
         print(f"speclab: error: {e}", file=sys.stderr)
         return 1
@@ -449,7 +448,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_dir", nargs="+", help="a gpubench run folder, or several of one GPU "
                    "model and vLLM release to pool (then --out)")
     p.add_argument("--acceptance", default="0.617,0.433,0.294",
-                   help="per-position unconditional acceptance (default: published EAGLE3.1)")
+                   help="per-position unconditional acceptance, comma-separated, or a folder "
+                   "of `speclab run` / `sweep` whose EAGLE-3 point with the largest k (or "
+                   "RUN:POINT_ID) measured it (default: published EAGLE3.1)")
     p.add_argument("--acceptance-mtp", default="0.769,0.381",
                    help="the same for MTP engines (default: DeepSeek-V4-Flash's MTP in vLLM "
                    "PR #41044)")

@@ -9,7 +9,17 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from speclab import cudagraphs, hostwatch, layerfit, nodecost, paths, predict, provenance, stepcosts
+from speclab import (
+    analysis,
+    cudagraphs,
+    hostwatch,
+    layerfit,
+    nodecost,
+    paths,
+    predict,
+    provenance,
+    stepcosts,
+)
 from speclab.predict import MOE
 from speclab.stepcosts import CONFIG
 
@@ -34,6 +44,33 @@ def reference_runs() -> list[Path] | None:
     return runs if all(r.is_dir() for r in runs) else None
 
 
+def acceptance_from(value, method: str = "eagle3"
+                    ) -> tuple[list[float], analysis.MeasuredProfile | None]:
+    """(rates, where they came from) for `report`: `value` as per-position unconditional rates
+    (a list, or comma-separated text; None), or a `speclab run` / `sweep` folder, "RUN" or
+    "RUN:POINT_ID", whose `method` point measured them (`analysis.run_profile`). Raises
+    ValueError saying which forms it takes."""
+    if isinstance(value, (str, Path)):
+        text = str(value)
+        run, _, point = text.rpartition(":")
+        if Path(text).is_dir() or (run and Path(run).is_dir()):
+            found = analysis.run_profile(*((Path(text), method) if Path(text).is_dir()
+                                           else (Path(run), method, point)))
+            return predict.acceptance_profile(found.rates, found.k), found
+        try:
+            value = [float(x) for x in text.split(",")]
+        except ValueError:
+            value = "neither numbers nor a folder"
+    try:
+        if isinstance(value, str):
+            raise ValueError(value)
+        return predict.acceptance_profile(value, len(value)), None
+    except ValueError as e:
+        raise ValueError(f"per-position acceptance is comma-separated non-increasing values in "
+                         f"[0, 1], or a folder of `speclab run` / `sweep` (RUN or "
+                         f"RUN:POINT_ID) ({e})") from None
+
+
 def _md(df: pd.DataFrame, cols: list[str]) -> str:
     """A markdown table of `cols` (floats to 4 significant digits, NaN as n/a)."""
     cols = [c for c in cols if c in df]
@@ -51,14 +88,16 @@ def _md(df: pd.DataFrame, cols: list[str]) -> str:
 
 def report(runs, rates=predict.PUBLISHED_EAGLE31,
            layers: int = layerfit.PRODUCTION_LAYERS, out_dir: Path | None = None,
-           gpus: int = 8, mtp_rates=predict.PUBLISHED_MTP) -> Path:
+           gpus: int = 8, mtp_rates=predict.PUBLISHED_MTP, measured=()) -> Path:
     """`predict.md` and `predict.html` (+ `speedup_vs_k` figure) for a gpubench run folder,
     or several pooled (`stepcosts.load`: one GPU model and vLLM release; written to `out_dir`,
     which several runs need): measured speedup vs k per batch size with CIs, predicted beside
     measured with the largest error, the best k, the `layers`-layer prediction at acceptance
     `rates` (MTP engines at `mtp_rates`) with its fit, and (`gpus` > 1) what a TP `gpus` + EP
-    node changes to it. Raises ValueError when the runs have no timed round, cannot pool,
-    or `gpus` has no all-reduce curve."""
+    node changes to it. `measured`: the `analysis.MeasuredProfile`s `rates` / `mtp_rates`
+    came from (said under the prediction, with the best k at their per-position CI bounds).
+    Raises ValueError when the runs have no timed round, cannot pool, or `gpus` has no
+    all-reduce curve."""
     from speclab import plots
 
     if gpus != 1 and gpus not in nodecost.AR_US:
@@ -222,8 +261,9 @@ def report(runs, rates=predict.PUBLISHED_EAGLE31,
         by_method = {"eagle3": list(rates), "mtp": list(mtp_rates)}
         ex = layerfit.extrapolate(costs, drafts, by_method, layers)
         has_mtp = any(predict.method_of(d) == "mtp" for d in drafts.draft)
-        lines += [f"## {layers} layers at acceptance {list(rates)}"
-                  + (f" (MTP: {list(mtp_rates)})" if has_mtp else ""), "",
+        lines += [f"## {layers} layers at acceptance {_rates(rates)}"
+                  + (f" (MTP: {_rates(mtp_rates)})" if has_mtp else ""), "",
+                  *_measured_lines(costs, drafts, by_method, measured, layers),
                   (f"Plain step per batch size n fitted as a + b·L over layers "
                   f"{ex['layers_measured']}; drafter and sampling times from the "
                   f"{ex['drafts_from_layers']}-layer run. Requests replaced as they finish "
@@ -367,6 +407,34 @@ def _held_out_lines(res: pd.DataFrame, layers: int) -> list[str]:
              + (f", k = {int(worst.k)}" if worst.kind == "spec" else "") + ")."), "",
             _md(h, ["layers", "from_layers", "kind", "draft", "k", "B", "rows", "measured",
                     "lo", "hi", "predicted", "error"]), ""]
+
+
+def _rates(rates) -> str:
+    return "[" + ", ".join(f"{x:.3g}" for x in rates) + "]"
+
+
+def _measured_lines(costs, drafts, by_method: dict, measured, layers: int) -> list[str]:
+    """Where measured acceptance profiles come from, and each method's best k per batch size
+    at the lower and upper ends of its per-position 95% intervals (the rest held)."""
+    lines = []
+    for m in measured:
+        ends = {}
+        for end, xs in (("lo", m.rates_lo), ("hi", m.rates_hi)):
+            if np.isnan(xs).any():
+                continue
+            rates = np.minimum.accumulate(np.clip(xs, 0, 1)).tolist()  # non-increasing
+            pred = layerfit.extrapolate(costs, drafts, {**by_method, m.method: rates},
+                                        layers)["prediction"]
+            ends[end] = pred[pred.best & (pred.draft.map(predict.method_of) == m.method)]
+        lines += [m.describe(), ""]
+        if len(ends) == 2:
+            both = ends["lo"].merge(ends["hi"], on=["draft", "B"], suffixes=("_lo", "_hi"))
+            lines += [(f"{m.method}'s best k at the per-position intervals' lower and upper "
+                       "ends (every position at its bound at once: a wider range than the "
+                       "rates' joint uncertainty):"), "",
+                      _md(both, ["draft", "B", "k_lo", "pred_speedup_lo", "k_hi",
+                                 "pred_speedup_hi"]), ""]
+    return lines
 
 
 def _spread_lines(costs, drafts, rates, layers: int) -> list[str]:

@@ -21,6 +21,7 @@ from speclab import (
     convention,
     memory,
     paths,
+    predictreport,
     preflight,
     profiles,
     progress,
@@ -65,6 +66,12 @@ def run_suite(profile: str, *, run_id: str | None = None, notebooks=SUITE,
         stepcosts.check_poolable(speed_runs)
     except ValueError as e:
         raise profiles.ProfileError(f"speed_run: {e}") from None
+    for name, method in (("acceptance", "eagle3"), ("acceptance_mtp", "mtp")):
+        if name in (parameters or {}):
+            try:
+                predictreport.acceptance_from(parameters[name], method)
+            except ValueError as e:
+                raise profiles.ProfileError(f"{name}: {e}") from None
     executes = (parameters or {}).get("execute", True)
     problems = preflight.check_env(prof) if executes else []
     if problems:

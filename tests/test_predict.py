@@ -1081,6 +1081,34 @@ def test_the_sixth_h100_runs_k1_to_3_inside_the_models_bracket():
     assert pooled.query("layers == 18").error.abs().max() < 0.06
 
 
+def test_the_spread_takes_the_acceptance_draws_it_is_given():
+    """`extrapolation_spread` with `rate_draws`: draws that all equal the central rates (the
+    control) give the timing-only spread exactly; resamples of a point's requests widen the
+    best k's range at B = 1, and a draw without drafts (NaN) keeps the central rates."""
+    from speclab import analysis
+
+    res = rows(layers=(4, 8), rounds=3)
+    costs, drafts = stepcosts.step_costs(res), stepcosts.draft_ms(res)
+    prof = analysis.run_profile(COMMITTED / "tiny-cpu", "eagle3", n_boot=60)
+    rates = {"eagle3": list(prof.rates)}
+
+    def best_range(draws=None):
+        pm = layerfit.extrapolation_spread(costs, drafts, rates, draws=60,
+                                           rate_draws=draws)[1].set_index("B")
+        return pm.best_hi[1] - pm.best_lo[1], pm
+
+    timing, pm0 = best_range()
+    same, pm1 = best_range({"eagle3": np.tile(prof.rates, (60, 1))})
+    pd.testing.assert_frame_equal(pm0, pm1)
+    both, _ = best_range({"eagle3": prof.draws})
+    assert both > 1.5 * timing
+    nan = prof.draws.copy()
+    nan[:] = np.nan
+    assert best_range({"eagle3": nan})[0] == pytest.approx(timing)
+    with pytest.raises(ValueError, match="at least 60 rows"):
+        best_range({"eagle3": prof.draws[:10]})
+
+
 def test_a_sweep_runs_point_gives_the_acceptance_to_predict_at():
     """`analysis.run_profile` reads the committed tiny-cpu run's EAGLE-3 point with the largest
     k (k = 4), its rates the accepted counts per position over its drafts, read here from its
@@ -1095,6 +1123,9 @@ def test_a_sweep_runs_point_gives_the_acceptance_to_predict_at():
     assert prof.k == 4 and prof.num_drafts == recs.drafts.sum() and prof.n_requests == len(recs)
     assert prof.rates == pytest.approx(tuple(counts / recs.drafts.sum()))
     assert all(lo < r < hi for lo, r, hi in zip(prof.rates_lo, prof.rates, prof.rates_hi))
+    assert prof.draws.shape == (1000, 4)  # the resamples the intervals come from
+    assert np.percentile(prof.draws, [2.5, 97.5], axis=0) == pytest.approx(
+        np.array([prof.rates_lo, prof.rates_hi]))
     assert prof.target == "fixture:tiny-llama" and f"`{prof.point_id}`" in prof.describe()
     k1 = analysis.run_profile(run, "eagle3", "k1_kv-auto_dkv-auto_tp1_raw")
     assert k1.k == 1 and k1.rates[0] != pytest.approx(prof.rates[0])
@@ -1135,7 +1166,7 @@ def test_predict_prices_the_draft_at_a_runs_measured_acceptance(tmp_path, capsys
     md, mine = predicted("measured", "--acceptance", str(sweep))
     prof = analysis.run_profile(sweep, "eagle3")
     assert f"## 43 layers at acceptance [{', '.join(f'{x:.3g}' for x in prof.rates)}]" in md
-    assert prof.describe() in md and "intervals' lower and upper ends" in md
+    assert prof.describe() in md and "one resample of the measuring run's requests" in md
     md0, published = predicted("published")
     assert "## 43 layers at acceptance [0.617, 0.433, 0.294]" in md0
     assert "measured by run" not in md0 and (mine != published).all()

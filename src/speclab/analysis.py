@@ -1,8 +1,9 @@
-"""Tables from a run's results: acceptance and speed per point, per position, per category."""
+"""Tables from a run's results: acceptance and speed per point, per position, per category, and
+the per-position profile one point measured (what the cost model prices a draft at)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -306,6 +307,10 @@ class MeasuredProfile:
     al: float
     al_lo: float
     al_hi: float
+    # per-position rates of resamples of the point's requests ([draws, k]; none where only
+    # the engine's counters are usable): what the prediction's spread draws from
+    draws: np.ndarray = field(default_factory=lambda: np.empty((0, 0)), compare=False,
+                              repr=False)
 
     def describe(self) -> str:
         """One markdown sentence: where the rates come from and how sure they are."""
@@ -356,8 +361,10 @@ def measured_profile(acc: pd.DataFrame, method: str, point_id: str | None = None
         al=float(r.mean_acceptance_length), al_lo=float(r.al_lo), al_hi=float(r.al_hi))
 
 
-def run_profile(run_dir: Path, method: str, point_id: str | None = None) -> MeasuredProfile:
-    """`measured_profile` of a `speclab run` / `sweep` folder's ok points."""
+def run_profile(run_dir: Path, method: str, point_id: str | None = None, *,
+                n_boot: int = 1000, seed: int = 0) -> MeasuredProfile:
+    """`measured_profile` of a `speclab run` / `sweep` folder's ok points, with `n_boot`
+    resamples of the point's requests (`MeasuredProfile.draws`)."""
     from speclab import store
 
     run_dir = Path(run_dir)
@@ -373,5 +380,9 @@ def run_profile(run_dir: Path, method: str, point_id: str | None = None) -> Meas
     ok = records[records.point_id.isin(points.point_id[points.status == "ok"])] \
         if len(records) else records
     prof = store.load_profile(run_dir)
-    return measured_profile(acceptance(ok, points=points), method, point_id, run=run_dir.name,
-                            target=prof.target, draft=prof.draft)
+    found = measured_profile(acceptance(ok, points=points), method, point_id,
+                             run=run_dir.name, target=prof.target, draft=prof.draft)
+    if found.point_id in _untrusted(points):
+        return found
+    drafts, app = _counts(ok[ok.point_id == found.point_id], found.k)
+    return replace(found, draws=metrics.bootstrap_rates(drafts, app, n_boot=n_boot, seed=seed))

@@ -172,12 +172,16 @@ def held_out(results: pd.DataFrame, max_tokens: int = 128) -> pd.DataFrame:
 
 def extrapolation_spread(costs: pd.DataFrame, drafts: pd.DataFrame, rates, layers: int =
                          PRODUCTION_LAYERS, eager: bool = False, ks=range(1, 6),
-                         draws: int = 200, seed: int = 0) -> tuple[pd.DataFrame, pd.DataFrame]:
+                         draws: int = 200, seed: int = 0, rate_draws: dict | None = None
+                         ) -> tuple[pd.DataFrame, pd.DataFrame]:
     """How far the `extrapolate` prediction moves with the plain steps' timing noise: `draws`
     times, every measured plain step is drawn from its t distribution (its rounds less one
     degrees of freedom, its standard error as scale) and the layer fit and prediction redone.
-    The drafter times (medians of hundreds of calls) and the acceptance profile stay fixed, so
-    this is the timing's share of the uncertainty, not the acceptance's. Returns per (draft,
+    The drafter times (medians of hundreds of calls) stay fixed, and so does the acceptance
+    profile, unless `rate_draws` ({method: [n, k] per-position rates}, e.g. resamples of a
+    run's requests, `analysis.MeasuredProfile.draws`; `rates` then a {method: rates} mapping)
+    gives draw i that method's i-th row (n >= `draws`; a row with NaN keeps `rates`): then
+    the spread is timing and acceptance together, else the timing's share. Returns per (draft,
     B, k) the 2.5 and 97.5 percentiles of the predicted speedup (`pred_lo`, `pred_hi`) and the
     share of draws in which that k is its setting's best at B (`p_best`); and per (B, draft)
     its best k's speedup (`best_speedup`, `best_lo`, `best_hi`) and the share of draws in
@@ -197,12 +201,17 @@ def extrapolation_spread(costs: pd.DataFrame, drafts: pd.DataFrame, rates, layer
     lines = [(n, ab) for n, resolved, ab in _lines(plain, drawn) if resolved]
     sizes = np.array([n for n, _ in lines], float)  # `fit_layers`' steps: B = rows = n
     b, a = np.array([ab for _, ab in lines]).T  # per draw, per size
+    rate_draws = rate_draws or {}
+    if any(len(r) < draws for r in rate_draws.values()):
+        raise ValueError(f"rate_draws need at least {draws} rows each")
     rows = []
     for i in range(draws):
         curve = sizes, a[i] + b[i] * layers  # one curve by B and by rows
+        rates_i = {**rates, **{m: list(r[i]) for m, r in rate_draws.items()
+                               if not np.isnan(r[i]).any()}} if rate_draws else rates
         rows += [{"draft": r["draft"], "B": r["B"], "k": r["k"],
                   "pred_speedup": r["pred_speedup"], "draw": i}
-                 for r in predict.predicted_rows(points, curve, curve, rates, layers, eager)]
+                 for r in predict.predicted_rows(points, curve, curve, rates_i, layers, eager)]
     every = pd.DataFrame(rows).dropna(subset=["pred_speedup"])
     keys = ["draft", "B", "k"]
     per_k = every.groupby(keys).pred_speedup.quantile([0.025, 0.975]).unstack()

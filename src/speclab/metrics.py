@@ -354,6 +354,26 @@ def acceptance_length_histogram(step_token_lists: Iterable[Sequence[int]], k: in
     return hist[1:]
 
 
+def _resampled(drafts, accepted_per_pos, n_boot: int, seed: int
+               ) -> tuple[np.ndarray, np.ndarray]:
+    """Drafts [n_boot] and accepted tokens per position [n_boot, k] summed over `n_boot`
+    resamples (with replacement) of the requests (rows)."""
+    drafts = np.asarray(drafts, dtype=float)
+    app = np.asarray(accepted_per_pos, dtype=float).reshape(len(drafts), -1)
+    idx = np.random.default_rng(seed).integers(0, len(drafts), size=(n_boot, len(drafts)))
+    return drafts[idx].sum(axis=1), app[idx].sum(axis=1)
+
+
+def bootstrap_rates(drafts, accepted_per_pos, *, n_boot: int = 1000, seed: int = 0
+                    ) -> np.ndarray:
+    """Per-position unconditional rates of `n_boot` resamples of the requests (rows), [n_boot,
+    k]: the joint uncertainty `bootstrap_ci` gives per position (NaN where a resample holds
+    no draft)."""
+    d, a = _resampled(drafts, accepted_per_pos, n_boot, seed)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return a / d[:, None]
+
+
 def bootstrap_ci(
     drafts: np.ndarray,
     accepted_per_pos: np.ndarray,
@@ -366,12 +386,7 @@ def bootstrap_ci(
 
     drafts: [R] drafts per request; accepted_per_pos: [R, k]. Returns arrays of shape
     [2] (AL) or [2, k] (per position): lower and upper bounds."""
-    drafts = np.asarray(drafts, dtype=float)
-    app = np.asarray(accepted_per_pos, dtype=float).reshape(len(drafts), -1)
-    rng = np.random.default_rng(seed)
-    idx = rng.integers(0, len(drafts), size=(n_boot, len(drafts)))
-    d = drafts[idx].sum(axis=1)  # [B]
-    a = app[idx].sum(axis=1)  # [B, k]
+    d, a = _resampled(drafts, accepted_per_pos, n_boot, seed)
     with np.errstate(invalid="ignore", divide="ignore"):
         al = 1.0 + a.sum(axis=1) / d
         pp = a / d[:, None]

@@ -44,6 +44,10 @@ def reference_runs() -> list[Path] | None:
     return runs if all(r.is_dir() for r in runs) else None
 
 
+ACCEPTANCE_FORMS = ("per-position acceptance is comma-separated non-increasing values in "
+                    "[0, 1], or a folder of `speclab run` / `sweep` (RUN or RUN:POINT_ID)")
+
+
 def acceptance_from(value, method: str = "eagle3"
                     ) -> tuple[list[float], analysis.MeasuredProfile | None]:
     """(rates, where they came from) for `report`: `value` as per-position unconditional rates
@@ -60,15 +64,11 @@ def acceptance_from(value, method: str = "eagle3"
         try:
             value = [float(x) for x in text.split(",")]
         except ValueError:
-            value = "neither numbers nor a folder"
+            raise ValueError(f"{ACCEPTANCE_FORMS} (neither numbers nor a folder)") from None
     try:
-        if isinstance(value, str):
-            raise ValueError(value)
         return predict.acceptance_profile(value, len(value)), None
     except ValueError as e:
-        raise ValueError(f"per-position acceptance is comma-separated non-increasing values in "
-                         f"[0, 1], or a folder of `speclab run` / `sweep` (RUN or "
-                         f"RUN:POINT_ID) ({e})") from None
+        raise ValueError(f"{ACCEPTANCE_FORMS} ({e})") from None
 
 
 def _md(df: pd.DataFrame, cols: list[str]) -> str:
@@ -95,7 +95,7 @@ def report(runs, rates=predict.PUBLISHED_EAGLE31,
     measured with the largest error, the best k, the `layers`-layer prediction at acceptance
     `rates` (MTP engines at `mtp_rates`) with its fit, and (`gpus` > 1) what a TP `gpus` + EP
     node changes to it. `measured`: the `analysis.MeasuredProfile`s `rates` / `mtp_rates`
-    came from (said under the prediction, with the best k at their per-position CI bounds).
+    came from (named under the prediction; their resamples join the spread's draws).
     Raises ValueError when the runs have no timed round, cannot pool, or `gpus` has no
     all-reduce curve."""
     from speclab import plots
@@ -263,7 +263,7 @@ def report(runs, rates=predict.PUBLISHED_EAGLE31,
         has_mtp = any(predict.method_of(d) == "mtp" for d in drafts.draft)
         lines += [f"## {layers} layers at acceptance {_rates(rates)}"
                   + (f" (MTP: {_rates(mtp_rates)})" if has_mtp else ""), "",
-                  *_measured_lines(costs, drafts, by_method, measured, layers),
+                  *[line for m in measured for line in (m.describe(), "")],
                   (f"Plain step per batch size n fitted as a + b·L over layers "
                   f"{ex['layers_measured']}; drafter and sampling times from the "
                   f"{ex['drafts_from_layers']}-layer run. Requests replaced as they finish "
@@ -283,7 +283,7 @@ def report(runs, rates=predict.PUBLISHED_EAGLE31,
                                          "pred_step_ms", "pred_tok_s", "pred_speedup",
                                          "draft_host_ms", "pred_serial_speedup",
                                          "al_needed", "best"]),
-                  "", *_spread_lines(costs, drafts, by_method, layers)]
+                  "", *_spread_lines(costs, drafts, by_method, layers, measured)]
         if gpus > 1:
             gpu = provenance.gpu_env(run_dir).get("gpu")  # pooled runs share one model
             lines += _node_section(ex, by_method, gpus, _expert_dtypes(dirs), gpu, out_dir)
@@ -413,38 +413,21 @@ def _rates(rates) -> str:
     return "[" + ", ".join(f"{x:.3g}" for x in rates) + "]"
 
 
-def _measured_lines(costs, drafts, by_method: dict, measured, layers: int) -> list[str]:
-    """Where measured acceptance profiles come from, and each method's best k per batch size
-    at the lower and upper ends of its per-position 95% intervals (the rest held)."""
-    lines = []
-    for m in measured:
-        ends = {}
-        for end, xs in (("lo", m.rates_lo), ("hi", m.rates_hi)):
-            if np.isnan(xs).any():
-                continue
-            rates = np.minimum.accumulate(np.clip(xs, 0, 1)).tolist()  # non-increasing
-            pred = layerfit.extrapolate(costs, drafts, {**by_method, m.method: rates},
-                                        layers)["prediction"]
-            ends[end] = pred[pred.best & (pred.draft.map(predict.method_of) == m.method)]
-        lines += [m.describe(), ""]
-        if len(ends) == 2:
-            both = ends["lo"].merge(ends["hi"], on=["draft", "B"], suffixes=("_lo", "_hi"))
-            lines += [(f"{m.method}'s best k at the per-position intervals' lower and upper "
-                       "ends (every position at its bound at once: a wider range than the "
-                       "rates' joint uncertainty):"), "",
-                      _md(both, ["draft", "B", "k_lo", "pred_speedup_lo", "k_hi",
-                                 "pred_speedup_hi"]), ""]
-    return lines
-
-
-def _spread_lines(costs, drafts, rates, layers: int) -> list[str]:
-    """The extrapolation's spread from the plain steps' timing noise
-    (`layerfit.extrapolation_spread`) as report lines."""
+def _spread_lines(costs, drafts, rates, layers: int, measured=()) -> list[str]:
+    """The extrapolation's spread from the plain steps' timing noise and, for a measured
+    acceptance, its resamples (`layerfit.extrapolation_spread`) as report lines."""
+    rate_draws = {m.method: m.draws for m in measured if len(m.draws)}
     per_k, per_method = layerfit.extrapolation_spread(costs, drafts, rates, layers,
-                                                     draws=SPREAD_DRAWS)
-    return [(f"How far timing noise moves it ({SPREAD_DRAWS} draws of every plain step from "
-             "its interval, the fit and prediction redone; drafter times and acceptance held "
-             "fixed, so the acceptance's own uncertainty comes on top): `pred_lo`, `pred_hi` "
+                                                     draws=SPREAD_DRAWS, rate_draws=rate_draws)
+    what = (("drafter times held fixed; each draw also takes the acceptance of one resample "
+             f"of the measuring run's requests for {', '.join(sorted(rate_draws))}, so this is "
+             "timing and acceptance together")
+            if rate_draws else ("drafter times and acceptance held fixed, so the acceptance's "
+                                "own uncertainty comes on top"))
+    moves = "timing noise and the measured acceptance move" if rate_draws else \
+        "timing noise moves"
+    return [(f"How far {moves} it ({SPREAD_DRAWS} draws of every plain step from "
+             f"its interval, the fit and prediction redone; {what}): `pred_lo`, `pred_hi` "
              "bound 95% of the draws, `p_best` is the share in which k is its setting's best."),
             "", _md(per_k, ["draft", "B", "k", "pred_lo", "pred_hi", "p_best"]), "",
             ("Per batch size, each setting's best k on the same draws: `p_fastest` is the share "

@@ -825,9 +825,21 @@ def test_the_error_budget_names_what_the_model_leaves_out():
     assert abs(control.verify_extra_ms) < 0.03 and control.sampling_ms == pytest.approx(0)
 
 
+def test_the_reference_runs_are_the_pooled_answers_runs():
+    """05_speed's default runs (`REFERENCE_RUNS`) are the runs the committed pooled report,
+    the README's answer, lists under "Runs pooled" (2026-12-07's run joined that report but
+    not the default until 2026-12-08: the main job's 43-layer numbers were four runs')."""
+    from speclab import predictreport
+
+    md = (COMMITTED / "h200-realshape-vllm026-pooled" / "predict.md").read_text()
+    table = md[md.index("## Runs pooled"):].split("\n\n")[2].splitlines()[2:]
+    assert [row.split(" | ")[0] for row in table] == list(predictreport.REFERENCE_RUNS)
+    assert [r.name for r in predictreport.reference_runs()] == list(predictreport.REFERENCE_RUNS)
+
+
 def test_the_h200_runs_largest_miss_is_host_time():
     """On the pooled H200 runs the point the model misses most among those with a full split
-    pass (B = 4, k = 2: 7.0%) loses most of it to the GPU waiting for the host (`idle_ms`);
+    pass (B = 4, k = 2: 8.4%) loses most of it to the GPU waiting for the host (`idle_ms`);
     what speculative sampling adds, 0.05-0.15 ms a step, is priced at every point, so the
     budget's sampling is plain's own (about 0.04 ms), and pricing it lowers every error."""
     from speclab import predictreport

@@ -28,11 +28,13 @@ PADDING_BATCHES = (*range(1, 9), 10, 12, 16, 20, 24, 32, 48, 64)  # the padding 
 REFERENCE_RUNS = ("h200-realshape-20261204-vllm026-graphs",
                   "h200-realshape-20261205-vllm026-deeprest",
                   "h200-realshape-20261205-vllm026-next",
-                  "h200-realshape-20261206-vllm026-fit24")
-"""The H200 runs the README's "how much faster?" answer pools (32 real-shape layers, vLLM
-0.26.0, target and drafter in CUDA graphs): EAGLE-3 at k = 1..5 with plain at 24 and 32
-layers, DeepSeek-V4's own MTP head at k = 1 and 3, and plain at 24 layers at every graph
-size below 16 rows (the layer fit)."""
+                  "h200-realshape-20261206-vllm026-fit24",
+                  "h200-realshape-20261207-vllm026-deepfinal")
+"""The H200 runs the README's "how much faster?" answer pools
+(`data/runs/h200-realshape-vllm026-pooled`; 32 real-shape layers, vLLM 0.26.0, target and
+drafter in CUDA graphs): EAGLE-3 at k = 1..5 with plain at 24 and 32 layers, DeepSeek-V4's
+own MTP head at k = 1 and 3, plain at 24 layers at every graph size below 16 rows (the layer
+fit), and k = 4 again beside plain at its verify graphs' rows."""
 
 
 def reference_runs() -> list[Path] | None:

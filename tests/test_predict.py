@@ -837,6 +837,19 @@ def test_the_reference_runs_are_the_pooled_answers_runs():
     assert [r.name for r in predictreport.reference_runs()] == list(predictreport.REFERENCE_RUNS)
 
 
+def test_predict_without_a_run_pools_the_reference_runs(tmp_path, capsys):
+    """`speclab predict --out DIR` with no run folder pools `REFERENCE_RUNS`; without --out
+    it stops, naming --out, and writes nothing."""
+    from speclab import cli, predictreport
+
+    assert cli.main(["predict", "--gpus", "1"]) == 1
+    assert "--out" in capsys.readouterr().err
+    assert cli.main(["predict", "--out", str(tmp_path / "ref"), "--gpus", "1"]) == 0
+    md = (tmp_path / "ref" / "predict.md").read_text()
+    table = md[md.index("## Runs pooled"):].split("\n\n")[2].splitlines()[2:]
+    assert [row.split(" | ")[0] for row in table] == list(predictreport.REFERENCE_RUNS)
+
+
 def test_the_h200_runs_largest_miss_is_host_time():
     """On the pooled H200 runs the point the model misses most among those with a full split
     pass (B = 4, k = 2: 8.4%) loses most of it to the GPU waiting for the host (`idle_ms`);

@@ -273,9 +273,13 @@ def cmd_predict(a) -> int:
     try:
         rates, measured = profile("--acceptance", a.acceptance, "eagle3")
         mtp_rates, measured_mtp = profile("--acceptance-mtp", a.acceptance_mtp, "mtp")
+        runs = [Path(r) for r in a.run_dir] or predictreport.reference_runs()
+        if not runs:
+            raise ValueError("no run folder given, and this installation has no committed "
+                             "H200 runs to default to")
         path = predictreport.report(
-            [Path(r) for r in a.run_dir], rates, a.layers, Path(a.out) if a.out else None,
-            a.gpus, mtp_rates, measured=[m for m in (measured, measured_mtp) if m])
+            runs, rates, a.layers, Path(a.out) if a.out else None, a.gpus, mtp_rates,
+            measured=[m for m in (measured, measured_mtp) if m])
     except (FileNotFoundError, ValueError) as e:
         print(f"speclab: error: {e}", file=sys.stderr)
         return 1
@@ -445,8 +449,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("predict", help="speedup per k and batch size from measured step "
                        "costs (a gpubench run): measured, predicted, extrapolated")
-    p.add_argument("run_dir", nargs="+", help="a gpubench run folder, or several of one GPU "
-                   "model and vLLM release to pool (then --out)")
+    p.add_argument("run_dir", nargs="*", help="a gpubench run folder, or several of one GPU "
+                   "model and vLLM release to pool (then --out); none: the committed H200 "
+                   "runs the README's answer pools (then --out)")
     p.add_argument("--acceptance", default="0.617,0.433,0.294",
                    help="per-position unconditional acceptance, comma-separated, or a folder "
                    "of `speclab run` / `sweep` whose EAGLE-3 point with the largest k (or "

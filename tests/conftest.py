@@ -87,7 +87,7 @@ def smoke_suite(tmp_path_factory, fixture_cache) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("suite")
     # 05_speed prices the draft at the committed tiny-cpu run's measured acceptance
     params = {"overrides": SMOKE,
-              "acceptance": str(Path(__file__).parents[1] / "data" / "runs" / "tiny-cpu")}
+              "acceptance": str(REPO / "data" / "runs" / "tiny-cpu")}
     html = report.run_suite("tiny-cpu", run_id="smoke", parameters=params,
                             runs_root=root / "runs", figures_root=root / "figures")
     return root, html

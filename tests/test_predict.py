@@ -825,6 +825,12 @@ def test_the_error_budget_names_what_the_model_leaves_out():
     assert abs(control.verify_extra_ms) < 0.03 and control.sampling_ms == pytest.approx(0)
 
 
+def pooled_runs(md: str) -> list[str]:
+    """The run column of a predict.md's "Runs pooled" table."""
+    table = md[md.index("## Runs pooled"):].split("\n\n")[2].splitlines()[2:]
+    return [row.split(" | ")[0] for row in table]
+
+
 def test_the_reference_runs_are_the_pooled_answers_runs():
     """05_speed's default runs (`REFERENCE_RUNS`) are the runs the committed pooled report,
     the README's answer, lists under "Runs pooled" (2026-12-07's run joined that report but
@@ -832,8 +838,7 @@ def test_the_reference_runs_are_the_pooled_answers_runs():
     from speclab import predictreport
 
     md = (COMMITTED / "h200-realshape-vllm026-pooled" / "predict.md").read_text()
-    table = md[md.index("## Runs pooled"):].split("\n\n")[2].splitlines()[2:]
-    assert [row.split(" | ")[0] for row in table] == list(predictreport.REFERENCE_RUNS)
+    assert pooled_runs(md) == list(predictreport.REFERENCE_RUNS)
     assert [r.name for r in predictreport.reference_runs()] == list(predictreport.REFERENCE_RUNS)
 
 
@@ -846,8 +851,7 @@ def test_predict_without_a_run_pools_the_reference_runs(tmp_path, capsys):
     assert "--out" in capsys.readouterr().err
     assert cli.main(["predict", "--out", str(tmp_path / "ref"), "--gpus", "1"]) == 0
     md = (tmp_path / "ref" / "predict.md").read_text()
-    table = md[md.index("## Runs pooled"):].split("\n\n")[2].splitlines()[2:]
-    assert [row.split(" | ")[0] for row in table] == list(predictreport.REFERENCE_RUNS)
+    assert pooled_runs(md) == list(predictreport.REFERENCE_RUNS)
 
 
 def test_the_h200_runs_largest_miss_is_host_time():

@@ -332,7 +332,7 @@ def measured_profile(acc: pd.DataFrame, method: str, point_id: str | None = None
     """The `method` point of an `acceptance` table to price a draft at: `point_id`, or the one
     point with the largest k. Raises ValueError naming the candidates when none fits or
     several share the largest k (then a point must be named)."""
-    acc = with_method(acc) if len(acc) else acc.assign(method=None)
+    acc = with_method(acc)
     mine = acc[acc.method == method]
     if point_id is not None:
         row = acc[acc.point_id == point_id]
@@ -376,13 +376,12 @@ def run_profile(run_dir: Path, method: str, point_id: str | None = None, *,
         raise ValueError(f"{run_dir}: no point results (results/*.json): not a folder of "
                          "`speclab run` or `sweep` (a gpubench folder's acceptance is its "
                          "oracle's, set by construction)")
-    points, records = store.load_results(run_dir)
-    ok = records[records.point_id.isin(points.point_id[points.status == "ok"])] \
-        if len(records) else records
+    points, records = store.load_results(run_dir)  # records: the ok points' only
+    acc = acceptance(records, points=points)
     prof = store.load_profile(run_dir)
-    found = measured_profile(acceptance(ok, points=points), method, point_id,
-                             run=run_dir.name, target=prof.target, draft=prof.draft)
-    if found.point_id in _untrusted(points):
-        return found
-    drafts, app = _counts(ok[ok.point_id == found.point_id], found.k)
+    found = measured_profile(acc, method, point_id, run=run_dir.name, target=prof.target,
+                             draft=prof.draft)
+    if (acc.source[acc.point_id == found.point_id] == "engine").any():
+        return found  # its per-request counters are not usable: nothing to resample
+    drafts, app = _counts(records[records.point_id == found.point_id], found.k)
     return replace(found, draws=metrics.bootstrap_rates(drafts, app, n_boot=n_boot, seed=seed))

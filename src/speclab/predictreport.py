@@ -59,9 +59,10 @@ def acceptance_from(value, method: str = "eagle3"
     if isinstance(value, (str, Path)):
         text = str(value)
         run, _, point = text.rpartition(":")
-        if Path(text).is_dir() or (run and Path(run).is_dir()):
-            found = analysis.run_profile(*((Path(text), method) if Path(text).is_dir()
-                                           else (Path(run), method, point)))
+        if Path(text).is_dir():
+            run, point = text, None
+        if run and Path(run).is_dir():
+            found = analysis.run_profile(Path(run), method, point)
             return predict.acceptance_profile(found.rates, found.k), found
         try:
             value = [float(x) for x in text.split(",")]
@@ -421,13 +422,15 @@ def _spread_lines(costs, drafts, rates, layers: int, measured=()) -> list[str]:
     rate_draws = {m.method: m.draws for m in measured if len(m.draws)}
     per_k, per_method = layerfit.extrapolation_spread(costs, drafts, rates, layers,
                                                      draws=SPREAD_DRAWS, rate_draws=rate_draws)
-    what = (("drafter times held fixed; each draw also takes the acceptance of one resample "
-             f"of the measuring run's requests for {', '.join(sorted(rate_draws))}, so this is "
-             "timing and acceptance together")
-            if rate_draws else ("drafter times and acceptance held fixed, so the acceptance's "
-                                "own uncertainty comes on top"))
-    moves = "timing noise and the measured acceptance move" if rate_draws else \
-        "timing noise moves"
+    if rate_draws:
+        moves = "timing noise and the measured acceptance move"
+        what = ("drafter times held fixed; each draw also takes the acceptance of one resample "
+                f"of the measuring run's requests for {', '.join(sorted(rate_draws))}, so this "
+                "is timing and acceptance together")
+    else:
+        moves = "timing noise moves"
+        what = "drafter times and acceptance held fixed, so the acceptance's own uncertainty " \
+            "comes on top"
     return [(f"How far {moves} it ({SPREAD_DRAWS} draws of every plain step from "
              f"its interval, the fit and prediction redone; {what}): `pred_lo`, `pred_hi` "
              "bound 95% of the draws, `p_best` is the share in which k is its setting's best."),
